@@ -1,0 +1,1 @@
+"""Model layers: one module per concern (see the package README)."""

@@ -1,0 +1,221 @@
+"""CSA2 attention of one backbone layer (spec 3): SWA-only, Full, Reindex and Reuse modes.
+
+One joint softmax over the layer's sliding window and the selected global (compressed) entries,
+with an attention sink. The layer works on a *chunk*: S new positions ``p0 .. p0+S-1`` per row
+(``n`` of them valid), reading the window ring and the global KV sources of the state, which it
+updates (window ring; main KV, indexer K and compressor tail for a KV source). Prefill (any S,
+any p0: chunked prefill), decode (S = 1) and bounded replay share this one path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from dsv41_jax import quant, state as st
+from dsv41_jax.config import LayerRole, ModelConfig
+from dsv41_jax.layers import compressor, indexer
+from dsv41_jax.layers.linear import dequant_weight, linear, rms_norm
+from dsv41_jax.layers.rope import apply_rope, rope_angles
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+SOFTMAX_BLOCK = 64  # the reference kernel's online-softmax block (spec 3.8)
+
+
+class Chunk(NamedTuple):
+    """Positions of one forward over a chunk (all arrays per batch row)."""
+
+    positions: Int[Array, "B S"]   # absolute positions p0 + s
+    valid: Bool[Array, "B S"]      # s < n
+    p0: Int[Array, "B"]
+    n: Int[Array, "B"]
+    win_lo: Int[Array, "B"]        # window entries below this position are unavailable
+    decode: bool                   # S == 1: list the window in ring order (spec 3.3)
+    compat_stale_index_k: bool     # reproduce the reference's decode index_k slot (spec 3.12)
+    freqs: dict                    # RoPE frequencies per table kind (numpy fp32)
+
+
+# ----------------------------------------------------------------------------- sparse attention
+
+
+def sparse_attention_reference(q: Float[Array, "B S H K"], kv: Float[Array, "B S N K"],
+                               valid: Bool[Array, "B S N"], sink: Float[Array, "H"],
+                               scale: float) -> Float[Array, "B S H K"]:
+    """Joint sink-softmax over a per-query list of gathered KV rows (K = V). Spec 3.8.
+
+    Emulates the reference kernel: online softmax over blocks of 64 list entries in list order,
+    running max from -1e30, bf16 probabilities in the PV product (fp32 ones in the
+    denominator), the unscaled sink added to the denominator after the loop, bf16 output.
+    A row with no valid entry returns exactly 0.
+    """
+    B, S, N, K = kv.shape
+    s = jnp.einsum("bshk,bsnk->bshn", q, kv, preferred_element_type=F32) * scale
+    s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
+    nb = -(-N // SOFTMAX_BLOCK)
+    pad = nb * SOFTMAX_BLOCK - N
+    if pad:
+        s = jnp.pad(s, ((0, 0),) * 3 + ((0, pad),), constant_values=-jnp.inf)
+        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    sb = s.reshape(B, S, -1, nb, SOFTMAX_BLOCK)
+    m_blk = jax.lax.cummax(jnp.maximum(jnp.max(sb, axis=-1), -1e30), axis=3)   # running max
+    p = jnp.exp(sb - m_blk[..., None])
+    m = m_blk[..., -1]
+    rescale = jnp.exp(m_blk - m[..., None])                                    # [B,S,H,nb]
+    l = jnp.sum(jnp.sum(p, axis=-1) * rescale, axis=-1)
+    pv = jnp.einsum("bshcj,bscjk->bshck", p.astype(BF16),
+                    kv.reshape(B, S, nb, SOFTMAX_BLOCK, K), preferred_element_type=F32)
+    acc = jnp.sum(pv * rescale[..., None], axis=3)
+    l = l + jnp.exp(sink[None, None, :] - m)
+    return (acc / l[..., None]).astype(BF16)
+
+
+# ----------------------------------------------------------------------------- window lists
+
+
+def window_list(ch: Chunk, W: int) -> tuple[Int[Array, "B S W"], Bool[Array, "B S W"]]:
+    """Window entries of each query as indices into ``[ring (W slots); chunk rows (S)]``.
+
+    Query p sees positions ``max(lo, p-W+1) .. p``. Prefill lists them ascending with the empty
+    entries last; decode lists the W ring slots oldest first (empty ones first), as the
+    reference does (spec 3.3).
+    """
+    p = ch.positions[..., None]                                   # [B,S,1]
+    j = jnp.arange(W, dtype=jnp.int32)[None, None, :]
+    lo = jnp.maximum(ch.win_lo, 0)[:, None, None]
+    if ch.decode:
+        q = p - W + 1 + j
+        ok = q >= lo
+    else:
+        nvalid = jnp.minimum(W, p - lo + 1)
+        q = p - nvalid + 1 + j
+        ok = j < nvalid
+    p0 = ch.p0[:, None, None]
+    idx = jnp.where(q >= p0, W + (q - p0), jnp.mod(q, W))
+    return jnp.where(ok, idx, 0), ok
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk, src: dict):
+    """Compress the chunk, derive indexer K, RoPE + FP4-pack both and append them (spec 3.5)."""
+    r = role.ratio
+    tail = {k: src[k] for k in ("tail_kv", "tail_score")} if r > 1 else None
+    lat, ids, valid, new_tail = compressor.compress(x, p["compressor"], r, ch.p0, ch.n, tail,
+                                                    cfg.norm_eps)
+    cos, sin = rope_angles(ids * r, ch.freqs[role.rope])
+    # indexer keys come from the un-rotated, un-quantised latent (spec 3.6a)
+    ik = rms_norm(linear(lat, p["indexer"]["wk"]), p["indexer"]["k_norm"]["weight"], cfg.norm_eps)
+    ik = apply_rope(ik, cos, sin)
+    ik_codes, ik_scale = quant.fp4_quantize(ik, 32, "e8m0")
+    mk = apply_rope(lat, cos, sin)
+    mk_codes, mk_scale = quant.fp4_quantize(mk, 16, "e4m3")
+    new = dict(src)
+    new["main"] = st.append_entries(src["main"], quant.pack_nibbles(mk_codes), ids, valid)
+    new["main_scale"] = st.append_entries(src["main_scale"], mk_scale, ids, valid)
+    new["index"] = st.append_entries(src["index"], quant.pack_nibbles(ik_codes), ids, valid)
+    new["index_scale"] = st.append_entries(src["index_scale"], ik_scale, ids, valid)
+    if new_tail is not None:
+        new.update(new_tail)
+    return new
+
+
+def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConfig, ch: Chunk,
+              state: dict, bus: dict, *, skip_kv_update: bool = False, record: dict | None = None):
+    """One CSA2 attention sublayer over a chunk.
+
+    Args:
+      p: the layer's ``attn`` params.
+      x: bf16 [B, S, D], ``attn_norm(hc_pre(streams, pre_mix))``.
+      state: the whole inference state; this layer updates its window ring and, for a KV
+        source, its main KV / indexer K / tail.
+      bus: transient values of this forward: ``topk`` (latest index source's selections,
+        int32 [B, S, k], -1 = none) and ``candidates`` (bool [B, S, T]).
+      skip_kv_update: a KV source whose entries were already appended (CED bounded replay).
+      record: if a dict, intermediates (top-k rows, scores, candidates) are stored in it.
+
+    Returns ``(out bf16 [B, S, D], state, bus)``. Spec 3.2-3.9.
+    """
+    B, S, _ = x.shape
+    H, K, W = cfg.n_heads, cfg.head_dim, cfg.window_size
+    cos, sin = rope_angles(ch.positions, ch.freqs[role.rope])
+    # query path (3.2)
+    qr = rms_norm(linear(x, p["wq_a"]), p["q_norm"]["weight"], cfg.norm_eps)
+    q = linear(qr, p["wq_b"]).reshape(B, S, H, K)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    # window KV (3.3): RMSNorm, RoPE, FP8 QDQ
+    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"]["weight"], cfg.norm_eps)
+    kv = apply_rope(kv, cos, sin)
+    kv_codes, kv_scale = quant.fp8_quantize(kv, 32)
+    kv = quant.fp8_dequantize(kv_codes, kv_scale, 32, BF16)
+    name = f"L{role.layer}"
+    ring = state["window"][name]
+    win_all = jnp.concatenate([st.read_ring(ring), kv], axis=1)        # [B, W+S, K]
+    widx, wok = window_list(ch, W)
+    rows = [st.gather_entries(win_all, widx)]
+    oks = [wok]
+
+    if role.ratio > 0:
+        kvname = f"L{role.kv_layer}"
+        if role.owns_kv and not skip_kv_update:
+            state = dict(state, kv=dict(state["kv"], **{kvname: kv_source_update(
+                p, x, role, cfg, ch, state["kv"][kvname])}))
+        src = state["kv"][kvname]
+        if role.owns_index:
+            bus = _index(p, x, qr, role, cfg, ch, state, bus, cos, sin, record)
+        topk = bus["topk"]
+        g_rows = st.gather_entries(src["main"], topk)
+        g_scale = st.gather_entries(src["main_scale"], topk)
+        rows.append(st.dequant_main_kv(g_rows, g_scale))
+        oks.append(topk >= 0)
+
+    kv_list = jnp.concatenate(rows, axis=2)
+    ok_list = jnp.concatenate(oks, axis=2) & ch.valid[..., None]
+    o = sparse_attention_reference(q, kv_list, ok_list, p["attn_sink"], K ** -0.5)
+    # output (3.9): inverse RoPE, grouped wo_a, wo_b
+    o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+    G = cfg.o_groups
+    wo_a = dequant_weight(p["wo_a"], BF16).reshape(G, cfg.o_lora_rank, -1)
+    u = jnp.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1), wo_a,
+                   preferred_element_type=F32).astype(BF16)
+    out = linear(u.reshape(B, S, -1), p["wo_b"])
+    new_ring = st.write_ring(ring, kv_codes, kv_scale, ch.p0, ch.n)
+    state = dict(state, window=dict(state["window"], **{name: new_ring}))
+    return out, state, bus
+
+
+def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, state, bus, cos, sin, record):
+    """Index source: scores over the shared indexer K, candidate pool, top-k (spec 3.6, 3.7)."""
+    r = role.ratio
+    src = state["kv"][f"L{role.kv_layer}"]
+    codes, scale = src["index"], src["index_scale"]
+    visible = (ch.positions + 1) // r
+    if ch.compat_stale_index_k and ch.decode and role.owns_kv and r > 1:
+        # Reference decode quirk (spec 3.12): on even positions no latent is produced, so the
+        # module-global index_k still holds the ratio-1 source's cache of the previous forward.
+        stale = [k for k, v in state["kv"].items() if "tail_kv" not in v]
+        if stale:
+            s1 = state["kv"][stale[0]]
+            t = codes.shape[1]
+            even = (jnp.mod(ch.p0, 2) == 0)[:, None, None]
+            codes = jnp.where(even, s1["index"][:, :t], codes)
+            scale = jnp.where(even, s1["index_scale"][:, :t], scale)
+    k_idx = st.dequant_index_k(codes, scale)
+    qi, w = indexer.index_queries(x, qr, p["indexer"], cfg, cos, sin)
+    score = indexer.index_scores(qi, w, k_idx, visible)
+    if role.is_candidate_source:
+        cand, bscore = indexer.candidate_pool(score, visible, cfg.candidate_topk_blocks,
+                                              cfg.candidate_block_size)
+        bus = dict(bus, candidates=cand)
+        if record is not None:
+            record["candidates"], record["candidate_block_score"] = cand, bscore
+    if role.uses_candidates:
+        score = jnp.where(bus["candidates"], score, -jnp.inf)
+    topk = indexer.select_topk(score, cfg.index_topk)
+    if record is not None:
+        record["index_score"], record["index_topk"] = score, topk
+    return dict(bus, topk=topk)

@@ -1,0 +1,79 @@
+"""Lightning indexer: bf16 scores over the FP4 indexer K, top-k, and the candidate pool.
+
+Spec 3.6, 3.7. Scores follow the reference's bf16 roundings:
+``dot = bf16(q_i . k)``, ``score = bf16(sum_h bf16(relu(dot) * w_h))`` with ``w`` from
+``weights_proj(x)`` scaled by ``(J*I)^-1/2``. A query at position p sees entry t iff
+``t < (p+1) // ratio``. The top-k is re-sorted ascending by position; unreachable picks are -1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from dsv41_jax import quant
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers.linear import linear
+from dsv41_jax.layers.rope import apply_rope
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+NEG_INF = -jnp.inf
+
+
+def index_queries(x: Float[Array, "B S D"], qr: Float[Array, "B S Q"], p: dict, cfg: ModelConfig,
+                  cos, sin):
+    """Indexer queries (FP4-QDQ'd, RoPE'd) ``[B,S,I,J]`` and head weights ``[B,S,I]`` (bf16)."""
+    B, S, _ = x.shape
+    I, J = cfg.index_n_heads, cfg.index_head_dim
+    q = linear(qr, p["wq_b"]).reshape(B, S, I, J)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    q = quant.fp4_qdq(q, 32, "e8m0")
+    w = linear(x, p["weights_proj"]).astype(F32) * (J ** -0.5 * I ** -0.5)
+    return q, w.astype(BF16)
+
+
+def index_scores(q: Float[Array, "B S I J"], w: Float[Array, "B S I"], k: Float[Array, "B T J"],
+                 visible: Int[Array, "B S"]) -> Float[Array, "B S T"]:
+    """bf16-rounded scores; entries ``t >= visible[b, s]`` are -inf (causal mask, spec 3.6d)."""
+    dot = jnp.einsum("bsij,btj->bsit", q, k, preferred_element_type=F32).astype(BF16)
+    prod = (jnp.maximum(dot, 0).astype(F32) * w.astype(F32)[..., None]).astype(BF16)
+    score = jnp.sum(prod.astype(F32), axis=2).astype(BF16).astype(F32)
+    t = jnp.arange(k.shape[1], dtype=jnp.int32)
+    return jnp.where(t[None, None, :] < visible[..., None], score, NEG_INF)
+
+
+def select_topk(score: Float[Array, "B S T"], k: int) -> Int[Array, "B S k"]:
+    """Top-``k`` positions, re-sorted ascending, -inf picks -> -1 (at the end). Spec 3.6f.
+
+    Ties go to the lower position (the reference's choice is implementation-defined).
+    """
+    k = min(k, score.shape[-1])
+    vals, idx = jax.lax.top_k(score, k)
+    big = jnp.int32(score.shape[-1] + 1)
+    idx = jnp.where(vals > NEG_INF, idx.astype(jnp.int32), big)
+    idx = jnp.sort(idx, axis=-1)
+    return jnp.where(idx == big, -1, idx)
+
+
+def candidate_pool(score: Float[Array, "B S T"], visible: Int[Array, "B S"], n_blocks: int,
+                   block: int) -> tuple[Bool[Array, "B S T"], Float[Array, "B S NB"]]:
+    """Block-max candidate pool (spec 3.7): ``(mask [B,S,T], block scores [B,S,NB])``.
+
+    Block score = max over its positions (-inf padded); the block of the newest visible position
+    is pinned with +inf; the top ``n_blocks`` blocks are kept unless their score is -inf.
+    """
+    B, S, T = score.shape
+    nb = -(-T // block)
+    pad = nb * block - T
+    sp = jnp.pad(score, ((0, 0), (0, 0), (0, pad)), constant_values=NEG_INF)
+    bs = jnp.max(sp.reshape(B, S, nb, block), axis=-1)
+    last = (visible - 1) // block
+    bs = jnp.where(jnp.arange(nb)[None, None, :] == last[..., None], jnp.inf, bs)
+    vals, bidx = jax.lax.top_k(bs, min(n_blocks, nb))
+    keep = vals > NEG_INF
+    bmask = jnp.zeros((B, S, nb), bool)
+    bmask = bmask.at[jnp.arange(B)[:, None, None], jnp.arange(S)[None, :, None], bidx].max(keep)
+    mask = jnp.repeat(bmask, block, axis=-1)[..., :T]
+    return mask, bs

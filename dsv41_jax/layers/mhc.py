@@ -1,0 +1,61 @@
+"""mHC: four residual streams mixed by Sinkhorn-normalised coefficients (spec 5).
+
+Single-pass wiring: each sublayer collapses the streams with the ``pre`` coefficients predicted
+one sublayer earlier; its own head predicts ``post``/``comb`` for itself and ``pre`` for the next.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def sinkhorn_split(mixes: Float[Array, "... M"], scale: Float[Array, "3"], base: Float[Array, "M"],
+                   hc: int, iters: int, eps: float):
+    """``hc_split_sinkhorn``: mixes ``[..., (2+hc)*hc]`` -> pre ``[...,hc]``, post ``[...,hc]``,
+    comb ``[..., hc, hc]`` (row i = source stream, column j = output stream). fp32. Spec 5.
+
+    Row softmax (+eps), a column normalisation, then ``iters - 1`` (row, column) pairs.
+    """
+    m = mixes.astype(F32)
+    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = m[..., 2 * hc:] * scale[2] + base[2 * hc:]
+    c = c.reshape(*c.shape[:-1], hc, hc)
+    c = jax.nn.softmax(c, axis=-1) + eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    return pre, post, c
+
+
+def hc_mixes(x: Float[Array, "B S C D"], fn: Float[Array, "M CD"], scale, base, *, hc: int,
+             iters: int, hc_eps: float, norm_eps: float):
+    """Coefficient head of one sublayer: ``(pre, post, comb)`` from the stream state. Spec 5."""
+    xf = x.astype(F32).reshape(*x.shape[:-2], -1)
+    mixes = jnp.einsum("...k,mk->...m", xf, fn, precision=HIGHEST, preferred_element_type=F32)
+    mixes = mixes * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
+    return sinkhorn_split(mixes, scale, base, hc, iters, hc_eps)
+
+
+def hc_pre(x: Float[Array, "B S C D"], pre: Float[Array, "B S C"]) -> Float[Array, "B S D"]:
+    """Collapse the streams: ``bf16(sum_j pre[j] * x[j])``. Spec 5."""
+    return jnp.sum(pre[..., None] * x.astype(F32), axis=-2).astype(BF16)
+
+
+def hc_post(y: Float[Array, "B S D"], res: Float[Array, "B S C D"], post: Float[Array, "B S C"],
+            comb: Float[Array, "B S C C"]) -> Float[Array, "B S C D"]:
+    """New streams: ``bf16(post[j] * y + sum_i comb[i, j] * res[i])``. Spec 5."""
+    mixed = jnp.sum(comb[..., None] * res.astype(F32)[..., :, None, :], axis=-3)
+    return (post[..., None] * y.astype(F32)[..., None, :] + mixed).astype(BF16)
+
+
+def identity_pre_mix(batch_shape: tuple, hc: int) -> Float[Array, "... C"]:
+    """One-hot on stream 0 (the first block's ``pre_mix``)."""
+    return jnp.zeros((*batch_shape, hc), F32).at[..., 0].set(1.0)

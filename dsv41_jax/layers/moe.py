@@ -1,0 +1,90 @@
+"""Mixture of experts: sqrt-softplus gate with a selection-only bias, SwiGLU experts (spec 4).
+
+Routed experts are stacked along a leading expert axis ``E`` (packed FP4 or bf16); the shared
+expert is a plain (fp8 or bf16) SwiGLU. The combination follows the reference exactly: expert
+outputs (bf16) are added into an fp32 sum in increasing expert id, the shared expert is added
+last, and the sum is rounded to bf16 once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers.linear import linear
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _softplus(z):
+    # torch.nn.functional.softplus(beta=1, threshold=20): identity above the threshold.
+    return jnp.where(z > 20.0, z, jnp.log1p(jnp.exp(jnp.minimum(z, 20.0))))
+
+
+def gate(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
+         n_active: int) -> tuple[Int[Array, "N k"], Float[Array, "N k"]]:
+    """Router: top-k expert ids (``lax.top_k`` order: descending biased score) and weights.
+
+    ``logits = f32(x) @ f32(W)^T / gate_temp``; ``s = sqrt(softplus(logits))``; the bias (or
+    ``bias_vl`` for image-span tokens) only selects; weights are the unbiased scores,
+    renormalised with +1e-20 and multiplied by ``route_scale``. Spec 4.
+    """
+    logits = jnp.einsum("nd,ed->ne", x.astype(F32), p["weight"].astype(F32), precision=HIGHEST,
+                        preferred_element_type=F32) / cfg.gate_temp
+    if cfg.score_func == "sqrtsoftplus":
+        s = jnp.sqrt(_softplus(logits))
+    elif cfg.score_func == "softmax":
+        s = jax.nn.softmax(logits, axis=-1)
+    else:
+        s = jax.nn.sigmoid(logits)
+    bias = p["bias"][None, :]
+    if image_mask is not None and "bias_vl" in p:
+        bias = jnp.where(image_mask[:, None], p["bias_vl"][None, :], bias)
+    _, idx = jax.lax.top_k(s + bias, n_active)
+    w = jnp.take_along_axis(s, idx, axis=-1)
+    if cfg.norm_topk_prob and n_active > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return idx, w * cfg.route_scale
+
+
+def expert(x: Float[Array, "N D"], p: dict, limit: float,
+           route_w: Float[Array, "N"] | None = None) -> Float[Array, "N D"]:
+    """SwiGLU expert with the reference clamps; the routing weight multiplies before ``w2``.
+
+    ``up`` is clamped to [-limit, limit], the gate branch from above only (spec 4, B15).
+    """
+    g = linear(x, p["w1"]).astype(F32)
+    up = linear(x, p["w3"]).astype(F32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        g = jnp.minimum(g, limit)
+    a = jax.nn.silu(g) * up
+    if route_w is not None:
+        a = a * route_w[:, None]
+    return linear(a.astype(BF16), p["w2"])
+
+
+def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
+        n_active: int | None = None) -> tuple[Float[Array, "N D"], Int[Array, "N k"], Float[Array, "N k"]]:
+    """MoE sublayer on flattened tokens: ``(bf16 output, expert ids, routing weights)``.
+
+    Routed experts run densely over the stacked expert axis (a ``lax.scan`` in increasing
+    expert id, non-routed tokens carry weight 0 and contribute an exact 0), which reproduces the
+    reference's fp32 accumulation order bit for bit. Spec 4.
+    """
+    k = n_active or cfg.n_activated_experts
+    idx, w = gate(x, p["gate"], cfg, image_mask, k)
+    n_exp = p["gate"]["weight"].shape[0]
+    dense_w = jnp.zeros((x.shape[0], n_exp), F32).at[jnp.arange(x.shape[0])[:, None], idx].add(w)
+
+    def body(acc, args):
+        pe, we = args
+        return acc + expert(x, pe, cfg.swiglu_limit, we).astype(F32), None
+
+    acc, _ = jax.lax.scan(body, jnp.zeros(x.shape, F32), (p["experts"], dense_w.T))
+    acc = acc + expert(x, p["shared_experts"], cfg.swiglu_limit).astype(F32)
+    return acc.astype(BF16), idx, w

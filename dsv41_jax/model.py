@@ -1,0 +1,330 @@
+"""The DeepSeek-V4.1-Flash text model: blocks, forward, CED prefill and decode (spec 0, 3-6).
+
+Entry points (pure; jit-compiled with the config static and the state donated):
+
+* :func:`forward` - every position through every layer (the reference's semantics, the oracle);
+  returns the logits of every position.
+* :func:`prefill` - a chunk of prompt tokens per row (``lengths`` valid), continuing from any
+  state. ``mode="ced"``: the encoder runs over all positions, the decoder's global KV is
+  projected from the encoder output, and the decoder runs only over the last ``min(N, W)``
+  positions (bounded replay). ``mode="exact"``: every position through every layer.
+* :func:`decode_step` - one token per row through all layers.
+
+Bad input raises ``ValueError`` before anything runs, so a rejected call never touches the state.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from dsv41_jax import state as st
+from dsv41_jax.config import LayerPlan, ModelConfig
+from dsv41_jax.layers import mhc
+from dsv41_jax.layers.attention import Chunk, attention, kv_source_update
+from dsv41_jax.layers.linear import rms_norm
+from dsv41_jax.layers.moe import moe
+from dsv41_jax.layers.rope import rope_frequencies
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class Static(NamedTuple):
+    """Hashable static arguments of the compiled entry points."""
+
+    cfg: ModelConfig
+    compat_stale_index_k: bool = False
+    collect: bool = False
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, state, bus, *,
+          engram_ids=None, token_mask=None, image_mask=None, skip_kv_update=False, record=None):
+    """One backbone block with single-pass mHC wiring (spec 5); Engram first if present (6.5).
+
+    ``X`` bf16 [B, S, C, D]; ``pre_mix`` fp32 [B, S, C] from the previous block's FFN head.
+    Returns ``(X, f_pre, state, bus)``.
+    """
+    C = cfg.hc_mult
+    if role.engram:
+        from dsv41_jax.layers import engram as engram_layer
+
+        X = engram_layer.engram_forward(p["engram"], X, engram_ids, token_mask, cfg)
+        if record is not None:
+            record["engram_out"] = X
+    hc = dict(hc=C, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
+    a_pre, a_post, a_comb = mhc.hc_mixes(X, p["hc_attn_fn"], p["hc_attn_scale"],
+                                         p["hc_attn_base"], **hc)
+    xa = rms_norm(mhc.hc_pre(X, pre_mix), p["attn_norm"]["weight"], cfg.norm_eps)
+    y, state, bus = attention(p["attn"], xa, role, cfg, ch, state, bus,
+                              skip_kv_update=skip_kv_update, record=record)
+    X = mhc.hc_post(y, X, a_post, a_comb)
+    f_pre, f_post, f_comb = mhc.hc_mixes(X, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"],
+                                         **hc)
+    xf = rms_norm(mhc.hc_pre(X, a_pre), p["ffn_norm"]["weight"], cfg.norm_eps)
+    B, S, D = xf.shape
+    im = None if image_mask is None else image_mask.reshape(B * S)
+    y2, eidx, ew = moe(xf.reshape(B * S, D), p["ffn"], cfg, im)
+    y2 = y2.reshape(B, S, D)
+    X = mhc.hc_post(y2, X, f_post, f_comb)
+    if record is not None:
+        record.update(attn_out=y, ffn_out=y2, block_out=X, block_pre_mix=f_pre,
+                      moe_topk_idx=eidx, moe_topk_weight=ew)
+    return X, f_pre, state, bus
+
+
+def _run_blocks(params, cfg, plan, layer_ids, X, pre_mix, ch, state, bus, extras, records,
+                skip_kv_layer=-1):
+    for i in layer_ids:
+        rec = {} if records is not None else None
+        X, pre_mix, state, bus = block(
+            params["layers"][i], X, pre_mix, plan[i], cfg, ch, state, bus,
+            engram_ids=extras["engram_ids"].get(i), token_mask=extras["token_mask"],
+            image_mask=extras["image_mask"], skip_kv_update=(i == skip_kv_layer), record=rec)
+        if records is not None:
+            records[i] = rec
+    return X, pre_mix, state, bus
+
+
+def head_logits(params, cfg: ModelConfig, X, pre_mix) -> tuple[jax.Array, jax.Array]:
+    """``(final_hidden bf16 [..., D], logits fp32 [..., V])``: collapse, norm, fp32 head."""
+    h = rms_norm(mhc.hc_pre(X, pre_mix), params["norm"]["weight"], cfg.norm_eps)
+    logits = jnp.einsum("...d,vd->...v", h.astype(F32), params["head"]["weight"],
+                        precision=HIGHEST, preferred_element_type=F32)
+    return h, logits
+
+
+def _make_chunk(cfg, positions, valid, p0, n, win_lo, decode, compat):
+    freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
+    return Chunk(positions, valid, p0, n, win_lo, decode, compat, freqs)
+
+
+def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
+    extras = {"engram_ids": {}, "token_mask": token_mask}
+    if not cfg.engram_layer_ids:
+        return extras, state
+    from dsv41_jax.layers import engram as engram_layer
+    cids = params["engram_token_map"][tokens]
+    if token_mask is not None:
+        cids = jnp.where(token_mask, cids, -1)
+    consts = params["engram_consts"]
+    ids = engram_layer.engram_hash_ids(cids, state["engram_history"], positions, consts)
+    for k, layer in enumerate(cfg.engram_layer_ids):
+        extras["engram_ids"][layer] = ids[:, :, k]
+    hist = engram_layer.engram_update_history(state["engram_history"], cids, n)
+    return extras, dict(state, engram_history=hist)
+
+
+def _embed(params, cfg, tokens, embeds_override, image_mask):
+    h = params["embed"]["weight"][tokens]
+    if embeds_override is not None:
+        h = jnp.where(image_mask[..., None], embeds_override.astype(BF16), h)
+    return jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
+
+
+def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, *, static: Static,
+                mode: str, replay_len: int, all_logits: bool):
+    """One prefill chunk or decode step (S = 1). See :func:`prefill`."""
+    cfg = static.cfg
+    plan = LayerPlan.from_config(cfg)
+    B, S = tokens.shape
+    W = cfg.window_size
+    p0 = state["pos"]
+    ar = jnp.arange(S, dtype=jnp.int32)
+    positions = p0[:, None] + ar[None, :]
+    valid = ar[None, :] < n[:, None]
+    decode = S == 1
+    token_mask = None if image_mask is None else ~image_mask
+    extras, state = _engram_extras(params, cfg, tokens, positions, n, state, token_mask)
+    extras["image_mask"] = image_mask
+    ch = _make_chunk(cfg, positions, valid, p0, n, jnp.zeros_like(p0), decode,
+                     static.compat_stale_index_k)
+    records = {} if static.collect else None
+    X = _embed(params, cfg, tokens, embeds_override, image_mask)
+    pre_mix = mhc.identity_pre_mix((B, S), cfg.hc_mult)
+    bus = {"topk": jnp.full((B, S, 1), -1, jnp.int32), "candidates": None}
+    dec = plan.decoder_start
+    has_decoder = dec < cfg.n_layers
+
+    X, pre_mix, state, bus = _run_blocks(params, cfg, plan, range(dec), X, pre_mix, ch, state,
+                                         bus, extras, records)
+    if has_decoder:
+        ring = state["enc_ring"]
+        enc_all_x = jnp.concatenate([ring["x"], X], axis=1)           # [B, W+S, C, D]
+        enc_all_pm = jnp.concatenate([ring["pre_mix"], pre_mix], axis=1)
+        state = dict(state, enc_ring={
+            "x": st.write_ring_values(ring["x"], X, p0, n),
+            "pre_mix": st.write_ring_values(ring["pre_mix"], pre_mix, p0, n)})
+
+    if has_decoder and mode == "ced" and not decode:
+        # Decoder global KV for every position, from the encoder output (spec 3.14).
+        role = plan[dec]
+        lp = params["layers"][dec]
+        x_dec = rms_norm(mhc.hc_pre(X, pre_mix), lp["attn_norm"]["weight"], cfg.norm_eps)
+        kvname = f"L{role.kv_layer}"
+        state = dict(state, kv=dict(state["kv"], **{kvname: kv_source_update(
+            lp["attn"], x_dec, role, cfg, ch, state["kv"][kvname])}))
+        # Bounded replay: the decoder over the last min(N, W) positions only.
+        N = p0 + n
+        R = jnp.where(n > 0, jnp.minimum(N, replay_len), 0)
+        start = N - R
+        ar_r = jnp.arange(replay_len, dtype=jnp.int32)
+        rpos = start[:, None] + ar_r[None, :]
+        rvalid = ar_r[None, :] < R[:, None]
+        src = jnp.where(rpos >= p0[:, None], W + rpos - p0[:, None], jnp.mod(rpos, W))
+        src = jnp.clip(src, 0, W + S - 1)
+        Xr = jnp.take_along_axis(enc_all_x, src[:, :, None, None], axis=1)
+        pmr = jnp.take_along_axis(enc_all_pm, src[:, :, None], axis=1)
+        ch_r = _make_chunk(cfg, rpos, rvalid, start, R, start, False,
+                           static.compat_stale_index_k)
+        tok_r = jnp.take_along_axis(tokens, jnp.clip(rpos - p0[:, None], 0, S - 1), axis=1)
+        del tok_r
+        extras_r = dict(extras, engram_ids={}, token_mask=None,
+                        image_mask=None if image_mask is None else jnp.take_along_axis(
+                            jnp.concatenate([jnp.zeros((B, W), bool), image_mask], 1),
+                            jnp.where(rpos >= p0[:, None], W + rpos - p0[:, None], 0), axis=1))
+        bus_r = {"topk": jnp.full((B, replay_len, 1), -1, jnp.int32), "candidates": None}
+        Xr, pmr, state, _ = _run_blocks(params, cfg, plan, range(dec, cfg.n_layers), Xr, pmr,
+                                        ch_r, state, bus_r, extras_r, records, skip_kv_layer=dec)
+        last = jnp.clip(R - 1, 0, replay_len - 1)
+        X_last = jnp.take_along_axis(Xr, last[:, None, None, None], axis=1)[:, 0]
+        pm_last = jnp.take_along_axis(pmr, last[:, None, None], axis=1)[:, 0]
+        h, logits = head_logits(params, cfg, X_last, pm_last)
+        out = {"logits": logits}
+        if all_logits:
+            out["replay_logits"] = head_logits(params, cfg, Xr, pmr)[1]
+    else:
+        X, pre_mix, state, bus = _run_blocks(params, cfg, plan, range(dec, cfg.n_layers), X,
+                                             pre_mix, ch, state, bus, extras, records)
+        last = jnp.clip(n - 1, 0, S - 1)
+        X_last = jnp.take_along_axis(X, last[:, None, None, None], axis=1)[:, 0]
+        pm_last = jnp.take_along_axis(pre_mix, last[:, None, None], axis=1)[:, 0]
+        h, logits = head_logits(params, cfg, X_last, pm_last)
+        out = {"logits": logits}
+        if all_logits:
+            hid, lg = head_logits(params, cfg, X, pre_mix)
+            out["all_logits"], out["final_hidden"] = lg, hid
+    state = dict(state, pos=p0 + n)
+    if records is not None:
+        out["records"] = records
+    return out, state
+
+
+_chunk_jit = jax.jit(_chunk_impl, static_argnames=("static", "mode", "replay_len", "all_logits"),
+                     donate_argnames=("state",))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_tokens(cfg: ModelConfig, tokens: np.ndarray, name: str = "tokens"):
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+        bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)][0]
+        raise ValueError(f"{name}: token id {int(bad)} is outside [0, vocab_size="
+                         f"{cfg.vocab_size})")
+
+
+def _check_capacity(cfg, state, new: np.ndarray):
+    pos = np.asarray(state["pos"])
+    cap = st.capacity_of(state, cfg)
+    over = pos + new
+    if (over > cap).any():
+        b = int(np.argmax(over > cap))
+        raise ValueError(f"row {b}: {int(pos[b])} tokens in the state + {int(new[b])} new "
+                         f"exceeds the state capacity of {cap} tokens")
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str = "ced",
+            compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
+            collect: bool = False, all_logits: bool = False):
+    """Prefill a chunk of tokens per row, continuing from ``state``.
+
+    Args:
+      tokens: int [B, S] (right-padded); ``lengths`` int [B] valid tokens per row (default S).
+      state: from :func:`dsv41_jax.state.init_state` or a previous call (it is donated).
+      mode: ``"ced"`` (bounded replay of the decoder) or ``"exact"`` (all layers, all positions).
+      compat_stale_index_k: reproduce the reference's decode ``index_k`` quirk (spec 3.12).
+      embeds_override, image_mask: bf16 [B, S, D] rows replacing the token embeddings where the
+        bool [B, S] ``image_mask`` is set (image spans, spec 8.4).
+
+    Returns ``(out, state)`` with ``out["logits"]`` fp32 [B, V] at each row's last token.
+
+    Raises:
+      ValueError: empty prompt, token id outside [0, vocab), lengths not matching the batch or
+        outside [1, S], state capacity exceeded, unknown mode. The state is then untouched.
+    """
+    if mode not in ("ced", "exact"):
+        raise ValueError(f"mode must be 'ced' or 'exact', got {mode!r}")
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"tokens must be a non-empty [B, S] array, got shape {tokens.shape}")
+    B, S = tokens.shape
+    if B != state["pos"].shape[0]:
+        raise ValueError(f"tokens has batch {B} but the state holds {state['pos'].shape[0]} rows")
+    lengths = np.full((B,), S, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must have shape [{B}] (one per row), got {lengths.shape}")
+    if (lengths < 1).any() or (lengths > S).any():
+        raise ValueError(f"lengths must be in [1, {S}] (an empty prompt is not allowed), got "
+                         f"{lengths.tolist()}")
+    _check_tokens(cfg, np.where(np.arange(S)[None] < lengths[:, None], tokens, 0))
+    _check_capacity(cfg, state, lengths)
+    fresh = not np.asarray(state["pos"]).any()
+    replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
+    static = Static(cfg, compat_stale_index_k, collect)
+    tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
+    return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
+                      static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
+
+
+def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k: bool = False,
+                collect: bool = False):
+    """One token per row through all layers.
+
+    Args: ``tokens`` int [B]. Returns ``(logits fp32 [B, V], state)`` (the state is donated).
+    Raises ``ValueError`` for a token outside [0, vocab), a batch mismatch or a full state.
+    """
+    tokens = np.asarray(tokens).reshape(-1)
+    B = state["pos"].shape[0]
+    if tokens.shape != (B,):
+        raise ValueError(f"tokens must have shape [{B}] (one per row), got {tokens.shape}")
+    _check_tokens(cfg, tokens)
+    _check_capacity(cfg, state, np.ones((B,), np.int32))
+    static = Static(cfg, compat_stale_index_k, collect)
+    out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
+                            jnp.ones((B,), jnp.int32), state, None, None, static=static,
+                            mode="exact", replay_len=1, all_logits=False)
+    if collect:
+        return out, state
+    return out["logits"], state
+
+
+def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
+            compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
+            return_state: bool = False):
+    """Every position through every layer (the reference's semantics; the oracle).
+
+    Returns ``out`` with ``out["all_logits"]`` fp32 [B, S, V] and ``out["final_hidden"]``
+    (and the exact-prefill state when ``return_state``). Raises ``ValueError`` as
+    :func:`prefill`.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, S], got shape {tokens.shape}")
+    state = st.init_state(cfg, tokens.shape[0], max(tokens.shape[1], 2))
+    out, state = prefill(params, cfg, tokens, state, mode="exact", collect=collect,
+                         compat_stale_index_k=compat_stale_index_k,
+                         embeds_override=embeds_override, image_mask=image_mask, all_logits=True)
+    return (out, state) if return_state else out

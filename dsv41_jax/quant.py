@@ -1,0 +1,180 @@
+"""FP8 / FP4 formats of the reference: quantise-dequantise (QDQ), pack and unpack.
+
+Every function here is bit-exact with the reference kernels (spec 2.5, 2.6): power-of-two
+scales are read from the exponent bits, e4m3 rounds to nearest even, e2m1 ties go to the even
+code. All QDQ results are exactly representable in bf16, so a packed cache that stores
+``(codes, scales)`` dequantises to the very bf16 values the reference keeps.
+
+Formats used by the model (spec 10.7):
+  * FP8 activations / window KV: e4m3 codes, one E8M0 (power of two) scale per 32 values.
+  * FP4 main KV: e2m1 codes (two per byte), one E4M3 scale per 16 values.
+  * FP4 indexer q/k (MXFP4): e2m1 codes, one E8M0 scale per 32 values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, UInt8
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+E4M3 = jnp.float8_e4m3fn
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+# Magnitudes of the eight e2m1 codes (bit 3 is the sign).
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+E2M1_LUT = np.concatenate([E2M1_VALUES, -E2M1_VALUES])  # code -> value (code 8 is -0)
+
+
+# ----------------------------------------------------------------------------- scales
+
+
+def e8m0_to_f32(u: UInt8[Array, "..."]) -> Float[Array, "..."]:
+    """E8M0 scale byte ``u`` -> ``2**(u - 127)`` in fp32 (spec 2.5)."""
+    return jnp.ldexp(jnp.ones(u.shape, F32), u.astype(jnp.int32) - 127)
+
+
+def _pow2_ceil_exponent(t: Float[Array, "..."]) -> jax.Array:
+    """Exponent e (int32) of the smallest power of two >= t, for normal positive fp32 t.
+
+    Reads the exponent bits and adds one if any mantissa bit is set, exactly like the
+    reference's ``fast_log2_ceil`` (an exact power of two is not bumped).
+    """
+    bits = jax.lax.bitcast_convert_type(t.astype(F32), jnp.int32)
+    exp = ((bits >> 23) & 0xFF) - 127
+    return exp + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    if x.shape[-1] % block:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the block {block}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+# ----------------------------------------------------------------------------- FP8
+
+
+def fp8_quantize(x: Float[Array, "... K"], block: int = 32) -> tuple[jax.Array, jax.Array]:
+    """``act_quant``: e4m3 codes and E8M0 scale bytes, one scale per ``block`` values.
+
+    Returns ``(codes float8_e4m3fn [..., K], scale uint8 [..., K // block])``. Spec 2.6.
+    """
+    xb = _blocks(x.astype(F32), block)
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
+    e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
+    s = jnp.ldexp(jnp.ones_like(amax), e)
+    q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(E4M3)
+    return q.reshape(x.shape), (e[..., 0] + 127).astype(jnp.uint8)
+
+
+def fp8_dequantize(codes: jax.Array, scale: UInt8[Array, "... G"], block: int = 32,
+                   dtype=BF16) -> jax.Array:
+    """Inverse of :func:`fp8_quantize` (exact): ``e4m3(codes) * 2**(scale - 127)``."""
+    qb = _blocks(codes.astype(F32), block)
+    return (qb * e8m0_to_f32(scale)[..., None]).reshape(codes.shape).astype(dtype)
+
+
+def act_quant_qdq(x: Float[Array, "... K"], block: int = 32) -> Float[Array, "... K"]:
+    """FP8 QDQ of an activation (per-``block`` power-of-two scales); returns bf16. Spec 2.6."""
+    q, s = fp8_quantize(x, block)
+    return fp8_dequantize(q, s, block, BF16)
+
+
+# ----------------------------------------------------------------------------- FP4
+
+
+def _e2m1_code(v: Float[Array, "..."]) -> jax.Array:
+    """Round ``v`` (already divided by its scale) to the nearest e2m1 code, ties to even."""
+    v = jnp.clip(v, -FP4_MAX, FP4_MAX)
+    a = jnp.abs(v)
+    idx = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
+           + (a > 2.5) + (a >= 3.5) + (a > 5.0)).astype(jnp.uint8)
+    sign = jnp.signbit(v).astype(jnp.uint8)
+    return idx | (sign << 3)
+
+
+def e2m1_decode(code: jax.Array) -> Float[Array, "..."]:
+    """e2m1 nibble code (uint8 0..15) -> fp32 value."""
+    return jnp.asarray(E2M1_LUT)[code.astype(jnp.int32)]
+
+
+def fp4_quantize(x: Float[Array, "... K"], block: int, scale_fmt: str
+                 ) -> tuple[jax.Array, jax.Array]:
+    """``fp4_act_quant``: e2m1 codes (uint8, one per value) and per-block scales.
+
+    ``scale_fmt="e8m0"`` (block 32, indexer q/k): power-of-two scale, returned as uint8 bytes.
+    ``scale_fmt="e4m3"`` (block 16, main KV): ``e4m3(amax / 6)``, returned as float8_e4m3fn.
+    Spec 2.6.
+    """
+    xb = _blocks(x.astype(F32), block)
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    if scale_fmt == "e8m0":
+        amax = jnp.maximum(amax, np.float32(6.0 * 2.0 ** -126))
+        e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP4_MAX))
+        s = jnp.ldexp(jnp.ones_like(amax), e)
+        s_store = (e[..., 0] + 127).astype(jnp.uint8)
+    elif scale_fmt == "e4m3":
+        amax = jnp.maximum(amax, np.float32(6.0 * 2.0 ** -9))
+        s_store = jnp.minimum(amax / np.float32(FP4_MAX), FP8_MAX).astype(E4M3)
+        s = s_store.astype(F32)
+        s_store = s_store[..., 0]
+    else:
+        raise ValueError(f"scale_fmt must be 'e8m0' or 'e4m3', got {scale_fmt!r}")
+    code = _e2m1_code(xb / s)
+    return code.reshape(x.shape), s_store
+
+
+def fp4_scale_to_f32(scale: jax.Array) -> jax.Array:
+    """Scale array of either FP4 format (uint8 E8M0 bytes or float8_e4m3fn) -> fp32."""
+    if scale.dtype == jnp.uint8:
+        return e8m0_to_f32(scale)
+    return scale.astype(F32)
+
+
+def fp4_dequantize(codes: jax.Array, scale: jax.Array, block: int, dtype=BF16) -> jax.Array:
+    """Unpacked e2m1 codes (uint8 [..., K]) and per-block scales -> values (exact)."""
+    vb = _blocks(e2m1_decode(codes), block)
+    return (vb * fp4_scale_to_f32(scale)[..., None]).reshape(codes.shape).astype(dtype)
+
+
+def fp4_qdq(x: Float[Array, "... K"], block: int, scale_fmt: str) -> Float[Array, "... K"]:
+    """FP4 QDQ; returns bf16 (the values the reference keeps in its caches). Spec 2.6."""
+    codes, s = fp4_quantize(x, block, scale_fmt)
+    return fp4_dequantize(codes, s, block, BF16)
+
+
+def pack_nibbles(codes: UInt8[Array, "... K"]) -> UInt8[Array, "... K2"]:
+    """Two e2m1 codes per byte: element 2j in the low nibble, 2j+1 in the high (spec 2.5)."""
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return c[..., 0] | (c[..., 1] << 4)
+
+
+def unpack_nibbles(packed: UInt8[Array, "... K2"]) -> UInt8[Array, "... K"]:
+    """Inverse of :func:`pack_nibbles`."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def dequant_fp8_weight(w: jax.Array, scale: UInt8[Array, "Go Gi"], block: int = 32,
+                       dtype=BF16) -> jax.Array:
+    """FP8 weight ``[out, in]`` with one E8M0 scale per ``block x block`` tile -> ``dtype``.
+
+    Leading batch dimensions (stacked experts) are allowed. Spec 2.5.
+    """
+    out_dim, in_dim = w.shape[-2:]
+    s = e8m0_to_f32(scale)
+    s = jnp.repeat(jnp.repeat(s, block, axis=-2), block, axis=-1)[..., :out_dim, :in_dim]
+    return (w.astype(F32) * s).astype(dtype)
+
+
+def dequant_fp4_weight(packed: UInt8[Array, "... O I2"], scale: UInt8[Array, "... O G"],
+                       block: int = 32, dtype=BF16) -> jax.Array:
+    """Packed e2m1 expert weight ``[out, in/2]`` + E8M0 ``[out, in/32]`` -> ``dtype`` [out, in]."""
+    return fp4_dequantize(unpack_nibbles(packed), scale, block, dtype)

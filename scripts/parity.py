@@ -1,0 +1,50 @@
+"""Run every case of a fixture directory against the model and print the compared errors.
+
+    python scripts/parity.py ../shared/fixtures/reference/tiny-a [--case prefill061 ...]
+
+Prints one row per compared array (max absolute and relative error, the tolerance rule, ok/FAIL),
+writes them as JSON with --json, and exits non-zero when any comparison is outside tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import dsv41_jax  # noqa: E402,F401  (XLA numerics flag)
+from dsv41_jax import parity  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="fixture parity")
+    ap.add_argument("fixture_dir")
+    ap.add_argument("--case", action="append", default=None, help="only these cases")
+    ap.add_argument("--no-teacher-forced", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.fixture_dir, "manifest.json")):
+        print(f"{args.fixture_dir}: no manifest.json (not a fixture directory)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    checks = parity.run_all(args.fixture_dir, cases=args.case,
+                            teacher_forced=not args.no_teacher_forced,
+                            progress=lambda n: print(f"  ran {n} ({time.time() - t0:.0f}s)",
+                                                     file=sys.stderr, flush=True))
+    for c in checks:
+        print(c.row())
+    bad = [c for c in checks if not c.ok]
+    print(f"{len(checks) - len(bad)} passed, {len(bad)} failed")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(c) for c in checks], f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

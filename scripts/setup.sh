@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.12) with the pinned versions of the GPU machine, and install the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for c in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python" python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then PY=$c; break; fi
+  done
+fi
+[ -n "$PY" ] || { echo "need Python >= 3.12 (set PYTHON=...)" >&2; exit 1; }
+if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
