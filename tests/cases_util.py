@@ -1,0 +1,187 @@
+"""Helpers for tests/test_cases.py (the bug cases of ../shared/cases/README.md).
+
+Every model-level case runs through ONE compiled prefill per batch size: prompts are right-padded
+to a fixed bucket of ``BUCKET`` tokens, the state has a fixed capacity ``CAP``, and every call
+uses ``mode="exact", collect=True, all_logits=True`` (so the same executable is reused).
+"""
+
+from __future__ import annotations
+
+import dsv41_jax as dsv  # noqa: F401  (import first: XLA numerics flag)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax import quant, state as st
+from dsv41_jax.layers import mhc
+from dsv41_jax.layers.linear import linear, rms_norm
+from dsv41_jax.layers.rope import apply_rope, rope_angles, rope_frequencies
+
+CAP = 64        # state capacity (tokens per row)
+BUCKET = 32     # prompt bucket (every prefill call is right-padded to this many tokens)
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+def to_np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def copy_state(s):
+    return jax.tree.map(jnp.copy, s)
+
+
+def seq(seed: int, n: int = BUCKET, vocab: int = 512) -> np.ndarray:
+    """A deterministic token sequence (ids in [3, vocab))."""
+    return np.random.default_rng(1000 + seed).integers(3, vocab, size=n).astype(np.int32)
+
+
+def pad_rows(rows, S: int = BUCKET, fill=None):
+    """Right-pad token rows to ``[B, S]``; ``fill`` None -> 0, an int, or an rng for garbage."""
+    B = len(rows)
+    toks = np.zeros((B, S), np.int32)
+    if isinstance(fill, np.random.Generator):
+        toks[:] = fill.integers(0, 512, size=(B, S))
+    elif fill is not None:
+        toks[:] = fill
+    lens = np.array([len(r) for r in rows], np.int32)
+    for b, r in enumerate(rows):
+        toks[b, :len(r)] = r
+    return toks, lens
+
+
+def prefill(params, cfg, rows, state=None, fill=None):
+    """Exact prefill of right-padded ``rows`` (list of 1-D token arrays), continuing ``state``.
+
+    Returns ``(out numpy tree, state)``; ``state`` (if given) is donated.
+    """
+    if state is None:
+        state = dsv.init_state(cfg, len(rows), CAP)
+    toks, lens = pad_rows(rows, fill=fill)
+    out, state = dsv.prefill(params, cfg, toks, state, lens, mode="exact", collect=True,
+                             all_logits=True)
+    return to_np(out), state
+
+
+def decode(params, cfg, state, tokens):
+    out, state = dsv.decode_step(params, cfg, state, np.asarray(tokens, np.int32), collect=True)
+    return to_np(out), state
+
+
+def row(tree, b):
+    """Row ``b`` of every leaf of a (numpy) tree with a leading batch axis."""
+    return jax.tree.map(lambda a: np.asarray(a)[b], tree)
+
+
+def raw(a):
+    """Bytes-comparable view of an array (fp8 / fp32 compare bit for bit)."""
+    a = np.ascontiguousarray(np.asarray(a))
+    if a.dtype.itemsize == 1:
+        return a.view(np.uint8)
+    if a.dtype.itemsize == 2:
+        return a.view(np.uint16)
+    if a.dtype.itemsize == 4:
+        return a.view(np.uint32)
+    return a
+
+
+def tree_diff(a, b, prefix=""):
+    """Paths of leaves that differ bit for bit (and shapes)."""
+    bad = []
+    fa, _ = jax.tree_util.tree_flatten_with_path(a)
+    fb, _ = jax.tree_util.tree_flatten_with_path(b)
+    assert [p for p, _ in fa] == [p for p, _ in fb], "tree structures differ"
+    for (p, x), (_, y) in zip(fa, fb):
+        if np.shape(x) != np.shape(y) or not np.array_equal(raw(x), raw(y)):
+            bad.append(prefix + jax.tree_util.keystr(p))
+    return bad
+
+
+# ----------------------------------------------------------------------------- oracles
+
+
+def layer_input(params, cfg, records, i):
+    """Attention input of layer ``i`` (``attn_norm(hc_pre(X_{i-1}, pre_mix_{i-1}))``) rebuilt
+    from the collected records of layer ``i - 1`` (``i >= 1``). bf16 [B, S, D]."""
+    X = jnp.asarray(records[i - 1]["block_out"])
+    pm = jnp.asarray(records[i - 1]["block_pre_mix"])
+    return rms_norm(mhc.hc_pre(X, pm), params["layers"][i]["attn_norm"]["weight"], cfg.norm_eps)
+
+
+def layer0_input(params, cfg, tokens):
+    """Attention input of layer 0: the streams are the repeated embedding, pre_mix one-hot."""
+    h = params["embed"]["weight"][jnp.asarray(tokens)]
+    return rms_norm(h, params["layers"][0]["attn_norm"]["weight"], cfg.norm_eps)
+
+
+def window_kv_codes(params, cfg, layer, x, positions, kind):
+    """FP8 (codes, scale) of a layer's window KV for inputs ``x`` [B, S, D] at ``positions``
+    with the RoPE table ``kind`` (spec 3.3)."""
+    a = params["layers"][layer]["attn"]
+    kv = rms_norm(linear(x, a["wkv"]), a["kv_norm"]["weight"], cfg.norm_eps)
+    cos, sin = rope_angles(jnp.asarray(positions), rope_frequencies(cfg, kind))
+    kv = apply_rope(kv, cos, sin)
+    return quant.fp8_quantize(kv, 32)
+
+
+def np_pool_pairs(x, wkv, wgate):
+    """float64 gated per-channel softmax pool of token pairs (spec 3.4): x [S, D] -> [S//2, K]."""
+    x = np.asarray(x, np.float64)
+    kv = x @ np.asarray(wkv, np.float64).T
+    sc = x @ np.asarray(wgate, np.float64).T
+    n = x.shape[0] // 2
+    kv, sc = kv[:2 * n].reshape(n, 2, -1), sc[:2 * n].reshape(n, 2, -1)
+    w = np.exp(sc - sc.max(1, keepdims=True))
+    w = w / w.sum(1, keepdims=True)
+    return (kv * w).sum(1)
+
+
+def np_rms_norm(x, w, eps):
+    x = np.asarray(x, np.float64)
+    return np.asarray(w, np.float64) * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
+def np_candidate_pool(score, visible, n_blocks, block):
+    """Spec 3.7 in numpy for one query row: bool mask [T]."""
+    T = score.shape[0]
+    nb = -(-T // block)
+    sp = np.full(nb * block, -np.inf)
+    sp[:T] = score
+    bs = sp.reshape(nb, block).max(-1)
+    last = (visible - 1) // block
+    if visible > 0:
+        bs[last] = np.inf
+    order = sorted(range(nb), key=lambda j: (-bs[j], j))[:min(n_blocks, nb)]
+    keep = np.zeros(nb, bool)
+    for j in order:
+        if bs[j] > -np.inf:
+            keep[j] = True
+    return np.repeat(keep, block)[:T]
+
+
+def np_topk(score, k):
+    """Top-k positions of one row, ties to the lower position, -inf/NaN unselectable, sorted
+    ascending, -1 padded (spec 3.6f)."""
+    T = score.shape[0]
+    ok = [t for t in range(T) if np.isfinite(score[t]) or score[t] == np.inf]
+    ok.sort(key=lambda t: (-score[t], t))
+    sel = sorted(ok[:min(k, T)])
+    k = min(k, T)
+    return np.array(sel + [-1] * (k - len(sel)), np.int32)
+
+
+def np_sinkhorn(m, scale, base, hc, iters, eps):
+    """hc_split_sinkhorn of spec 5 in float64."""
+    m = np.asarray(m, np.float64)
+    sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    pre = sig(m[:hc] * scale[0] + base[:hc]) + eps
+    post = 2 * sig(m[hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = (m[2 * hc:] * scale[2] + base[2 * hc:]).reshape(hc, hc)
+    c = np.exp(c - c.max(-1, keepdims=True))
+    c = c / c.sum(-1, keepdims=True) + eps
+    c = c / (c.sum(0, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(1, keepdims=True) + eps)
+        c = c / (c.sum(0, keepdims=True) + eps)
+    return pre, post, c

@@ -1,0 +1,466 @@
+"""Invariants of the inference entry points (architecture 5) on the tiny-a weights.
+
+Compile budget (CPU, 12 layers, 10-50 s per compiled signature): every prefill call goes through
+one prompt bucket ``S = 19`` (right-padded, per-row ``lengths``) and one state capacity
+``CAP = 64``, so the whole file compiles only: ced/exact prefill at B = 1, ced prefill at
+B = 2, decode at B = 1, and one ``forward`` over 15 tokens. A fresh state with ``S >= window``
+and a continued state both use the bounded replay length ``window``, so chunks and one-shot
+prompts share one compiled function per mode.
+
+``prefill`` / ``decode_step`` donate the state: a state that is used again is copied first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv41_jax as dsv
+from dsv41_jax import checkpoint, state as st
+from dsv41_jax.config import LayerPlan, ModelConfig
+
+from conftest import fixture_dir
+
+CAP = 64          # state capacity (tokens) used by every test
+S_BUCKET = 19     # prompt bucket: every prefill call is right-padded to this length
+FLASH_JSON = os.path.join(os.path.dirname(__file__), "..", "configs", "flash.json")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def model(tiny_a):
+    cfg, params, _ = tiny_a
+    assert cfg.window_size == 8, "these tests assume tiny-a's window of 8"
+    return cfg, params
+
+
+def _tokens(seed: int, n: int, vocab: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+def _copy(state):
+    return jax.tree.map(jnp.copy, state)
+
+
+def _host(state) -> dict:
+    """Flat ``{path: numpy array}`` of a state (a host copy, safe against donation)."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {jax.tree_util.keystr(p): np.array(v) for p, v in leaves}
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def _max_abs(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    both_inf = np.isinf(a) & np.isinf(b) & (a == b)
+    d = np.where(both_inf, 0.0, np.abs(a - b))
+    return float(np.nanmax(d)) if d.size else 0.0
+
+
+def _state_diffs(a: dict, b: dict, skip=lambda path: False) -> list[str]:
+    """Paths (with a short description) whose arrays are not bitwise equal."""
+    assert a.keys() == b.keys(), f"state layouts differ: {sorted(a.keys() ^ b.keys())}"
+    out = []
+    for k in a:
+        if skip(k):
+            continue
+        x, y = a[k], b[k]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            out.append(f"{k}: {x.shape}/{x.dtype} vs {y.shape}/{y.dtype}")
+            continue
+        neq = _bits(x) != _bits(y)
+        if neq.any():
+            out.append(f"{k}: {int(neq.sum())}/{neq.size} elements differ, "
+                       f"max |diff| {_max_abs(x, y):.3g}")
+    return out
+
+
+def _pad_batch(rows: list[np.ndarray], pad_seed: int | None = None, vocab: int = 1):
+    """Right-pad token rows to ``S_BUCKET`` (zeros, or random ids when ``pad_seed`` is given)."""
+    toks = np.zeros((len(rows), S_BUCKET), np.int32)
+    if pad_seed is not None:
+        toks[:] = np.random.default_rng(pad_seed).integers(0, vocab, toks.shape)
+    for i, r in enumerate(rows):
+        toks[i, :len(r)] = r
+    return toks, np.array([len(r) for r in rows], np.int32)
+
+
+def _prefill(params, cfg, state, rows, mode, pad_seed=None):
+    toks, lengths = _pad_batch(rows, pad_seed, cfg.vocab_size)
+    out, state = dsv.prefill(params, cfg, toks, state, lengths, mode=mode)
+    return np.array(out["logits"]), state
+
+
+def _run(params, cfg, seq, chunks, mode, batch=1):
+    """Prefill ``seq`` (one row) in the given chunk sizes from a fresh state."""
+    state = st.init_state(cfg, batch, CAP)
+    assert sum(chunks) == len(seq)
+    p = 0
+    for c in chunks:
+        logits, state = _prefill(params, cfg, state, [seq[p:p + c]], mode)
+        p += c
+    return logits, state
+
+
+def _row(h: dict, i: int) -> dict:
+    return {k: v[i:i + 1] for k, v in h.items()}
+
+
+def _written_rows(a: np.ndarray) -> np.ndarray:
+    """Bool [T]: rows of a packed [1, T, F] entry array with any non-zero byte."""
+    return (_bits(a[0]).reshape(a.shape[1], -1) != 0).any(-1)
+
+
+# ----------------------------------------------------------------------------- 1. ced vs exact
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_ced_equals_exact_within_window(model, n):
+    """N <= window: the bounded replay covers every position, so CED and exact prefill must run
+    the same arithmetic on the same values; the last logits and every state array (pos, window
+    rings of all layers, main KV / indexer K / tails of every source, encoder ring) are required
+    to be bitwise equal. No ulp tolerance is granted: the decoder global KV in CED comes from the
+    same ``attn_norm(hc_pre(X, pre_mix))`` input as in the exact pass, and the replay runs the
+    decoder on exactly the N prompt positions.
+    """
+    cfg, params = model
+    seq = _tokens(100 + n, n, cfg.vocab_size)
+    lc, sc = _run(params, cfg, seq, [n], "ced")
+    le, se = _run(params, cfg, seq, [n], "exact")
+    assert np.all(np.isfinite(lc))
+    diffs = _state_diffs(_host(sc), _host(se))
+    assert not diffs, f"N={n}: CED and exact states differ:\n" + "\n".join(diffs)
+    assert np.array_equal(_bits(lc), _bits(le)), \
+        f"N={n}: CED and exact logits differ, max |diff| {_max_abs(lc, le):.3g}"
+
+
+@pytest.mark.parametrize("n", [9, 13, 19])
+def test_ced_vs_exact_beyond_window(model, n):
+    """N > window: the decoder replays only the last ``window`` positions, so the decoder's
+    window rings and the logits are an approximation (measured here and printed). Everything the
+    encoder writes (its window rings, the ratio-2 main KV / indexer K and compressor tails, the
+    encoder output ring) and the decoder's global KV (projected from the encoder output over
+    every position) must still be bitwise equal between the modes, and ``pos`` must agree.
+    """
+    cfg, params = model
+    dec = LayerPlan.from_config(cfg).decoder_start
+    assert dec == 6
+    seq = _tokens(200 + n, n, cfg.vocab_size)
+    lc, sc = _run(params, cfg, seq, [n], "ced")
+    le, se = _run(params, cfg, seq, [n], "exact")
+    hc, he = _host(sc), _host(se)
+    dec_rings = {f"['window']['L{i}']" for i in range(dec, cfg.n_layers)}
+
+    def is_dec_ring(path):
+        return any(path.startswith(r) for r in dec_rings)
+
+    diffs = _state_diffs(hc, he, skip=is_dec_ring)
+    assert not diffs, f"N={n}: encoder / global state differs between CED and exact:\n" + \
+        "\n".join(diffs)
+    # The measured approximation: finite logits, and the size of the difference.
+    assert np.all(np.isfinite(lc)) and np.all(np.isfinite(le))
+    d_logits = _max_abs(lc, le)
+    ring_d = max(_max_abs(st.read_ring({"kv": hc[f"['window']['L{i}']['kv']"],
+                                        "scale": hc[f"['window']['L{i}']['scale']"]}),
+                          st.read_ring({"kv": he[f"['window']['L{i}']['kv']"],
+                                        "scale": he[f"['window']['L{i}']['scale']"]}))
+                 for i in range(dec, cfg.n_layers))
+    assert np.isfinite(d_logits) and np.isfinite(ring_d)
+    print(f"\n[ced vs exact] N={n}: max |logits diff| = {d_logits:.4g} "
+          f"(logit scale {np.abs(le).max():.3g}), argmax equal: "
+          f"{int(lc.argmax()) == int(le.argmax())}, max |decoder ring diff| = {ring_d:.4g}")
+
+
+# ----------------------------------------------------------------------------- 2. decode == forward
+
+
+@pytest.fixture(scope="module")
+def forward15(model):
+    cfg, params = model
+    seq = _tokens(300, 15, cfg.vocab_size)
+    out = dsv.forward(params, cfg, seq[None])
+    return seq, np.array(out["all_logits"][0])
+
+
+@pytest.mark.parametrize("n", [3, 9])
+def test_prefill_then_decode_matches_forward(model, forward15, n):
+    """Exact prefill(N) and k = 6 decode steps against the oracle ``forward`` over the same
+    teacher-forced tokens. The oracle is one ``forward`` over 15 = 9 + 6 tokens (one compile);
+    for N = 3 its positions 3..8 are compared, which by causality are ``forward(N + k)``'s.
+    Required: the prefill logits equal forward's at position N - 1 and decode step i's logits
+    equal forward's at position N + i, bitwise.
+    """
+    cfg, params = model
+    seq, ref = forward15
+    k = 6
+    logits, state = _run(params, cfg, seq[:n], [n], "exact")
+    assert np.array_equal(_bits(logits[0]), _bits(ref[n - 1])), \
+        f"prefill({n}) logits differ from forward at {n - 1}: {_max_abs(logits[0], ref[n - 1]):.3g}"
+    bad = []
+    for i in range(k):
+        lg, state = dsv.decode_step(params, cfg, state, seq[n + i:n + i + 1])
+        lg = np.array(lg[0])
+        if not np.array_equal(_bits(lg), _bits(ref[n + i])):
+            bad.append(f"step {i} (position {n + i}): max |diff| {_max_abs(lg, ref[n + i]):.3g}"
+                       f", argmax {int(lg.argmax())} vs {int(ref[n + i].argmax())}")
+    assert int(state["pos"][0]) == n + k
+    assert not bad, f"prefill({n}) + decode differs from forward:\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------- 3. chunked prefill
+
+
+@pytest.mark.parametrize("mode", ["ced", "exact"])
+@pytest.mark.parametrize("chunks", [(5, 7, 7), (1, 9, 9)])
+def test_chunked_prefill_equals_one_shot(model, mode, chunks):
+    """19 tokens as several chunks vs one shot (same mode): last logits and every state array
+    bitwise equal. In CED each chunk's bounded replay reads the encoder output ring, so the last
+    replay (positions 11..18) sees exactly what the one-shot replay sees."""
+    cfg, params = model
+    seq = _tokens(400, 19, cfg.vocab_size)
+    l1, s1 = _run(params, cfg, seq, [19], mode)
+    lc, sc = _run(params, cfg, seq, list(chunks), mode)
+    diffs = _state_diffs(_host(s1), _host(sc))
+    assert not diffs, f"{mode} {chunks}: chunked state differs from one shot:\n" + \
+        "\n".join(diffs)
+    assert np.array_equal(_bits(l1), _bits(lc)), \
+        f"{mode} {chunks}: last logits differ, max |diff| {_max_abs(l1, lc):.3g}"
+
+
+# ----------------------------------------------------------------------------- 4. entry counts
+
+
+def _check_entries(cfg, h: dict, n: int, where: str):
+    plan = LayerPlan.from_config(cfg)
+    assert int(h["['pos']"][0]) == n, where
+    for i in plan.kv_sources:
+        r = cfg.compress_ratios[i]
+        want = n // r
+        for name in ("main", "main_scale", "index", "index_scale"):
+            w = _written_rows(h[f"['kv']['L{i}']['{name}']"])
+            expect = np.arange(w.size) < want
+            assert np.array_equal(w, expect), (
+                f"{where}: n={n}, source L{i} (ratio {r}) {name}: written rows "
+                f"{np.nonzero(w)[0].tolist()}, expected 0..{want - 1}")
+
+
+def test_entry_counts_and_tails(model):
+    """After n tokens a ratio-2 source holds exactly floor(n/2) written (non-zero) entries and
+    the ratio-1 source exactly n; checked after one-shot prefills (both modes, n = 1..19) and
+    along decode (n = 3..15). Tails: a fresh one-shot prefill of n tokens leaves a written
+    (finite) tail iff n is odd (all -inf otherwise); along decode, at odd n the tail equals the
+    one-shot prefill's tail of the same n tokens, and at even n the tail holds nothing: replacing
+    it with the empty tail changes neither the next logits nor the next state.
+    """
+    cfg, params = model
+    plan = LayerPlan.from_config(cfg)
+    r2 = [i for i in plan.kv_sources if cfg.compress_ratios[i] == 2]
+    r1 = [i for i in plan.kv_sources if cfg.compress_ratios[i] == 1]
+    assert r2 == [2, 4] and r1 == [6]
+    seq = _tokens(500, 19, cfg.vocab_size)
+    one_shot = {}
+    for mode in ("exact", "ced"):
+        for n in range(1, 20):
+            _, s = _run(params, cfg, seq[:n], [n], mode)
+            h = _host(s)
+            _check_entries(cfg, h, n, f"one-shot {mode} prefill")
+            for i in r2:
+                ts = h[f"['kv']['L{i}']['tail_score']"]
+                if n % 2:
+                    assert np.all(np.isfinite(ts)), f"{mode} n={n} L{i}: odd n needs a tail"
+                else:
+                    assert np.all(ts == -np.inf), f"{mode} n={n} L{i}: even n wrote a tail"
+            if mode == "exact":
+                one_shot[n] = h
+
+    # Along decode: prefill 3 then 12 steps.
+    _, state = _run(params, cfg, seq[:3], [3], "exact")
+    for n in range(4, 16):
+        h_before = _host(state)
+        if (n - 1) % 2 == 0:
+            # even n-1: the tail must be dead; blank it and compare the next step.
+            blank = jax.tree.map(jnp.copy, state)
+            for i in r2:
+                blank["kv"][f"L{i}"]["tail_kv"] = jnp.zeros_like(state["kv"][f"L{i}"]["tail_kv"])
+                blank["kv"][f"L{i}"]["tail_score"] = jnp.full_like(
+                    state["kv"][f"L{i}"]["tail_score"], -jnp.inf)
+            lb, sb = dsv.decode_step(params, cfg, blank, seq[n - 1:n])
+        lg, state = dsv.decode_step(params, cfg, state, seq[n - 1:n])
+        h = _host(state)
+        _check_entries(cfg, h, n, "prefill(3) + decode")
+        if (n - 1) % 2 == 0:
+            hb = _host(sb)
+            d = _state_diffs(h, hb)
+            assert not d and np.array_equal(_bits(np.array(lb)), _bits(np.array(lg))), (
+                f"n={n - 1}: the stale tail of an even position influenced the next step: {d}")
+        if n % 2:
+            for i in r2:
+                for t in ("tail_kv", "tail_score"):
+                    key = f"['kv']['L{i}']['{t}']"
+                    assert np.all(np.isfinite(h[key])), f"decode n={n} L{i} {t} not finite"
+                    assert np.array_equal(_bits(h[key]), _bits(one_shot[n][key])), (
+                        f"decode n={n} L{i} {t} differs from one-shot prefill: "
+                        f"{_max_abs(h[key], one_shot[n][key]):.3g}")
+        del h_before
+
+
+# ----------------------------------------------------------------------------- 5. batch isolation
+
+
+def test_batch_rows_isolated(model):
+    """A row alone vs the same row in a batch of 2 (the other row has a different length, and
+    the padding holds random token ids instead of zeros): identical logits and identical state
+    rows, bitwise; for both row orders, and again after a second prefill chunk where the rows
+    continue from different positions (13 and 6)."""
+    cfg, params = model
+    a = _tokens(600, 18, cfg.vocab_size)
+    o = _tokens(601, 17, cfg.vocab_size)
+    a1, a2 = a[:13], a[13:]
+    o1, o2 = o[:6], o[6:]
+
+    def alone(first, second):
+        s = st.init_state(cfg, 1, CAP)
+        l1, s = _prefill(params, cfg, s, [first], "ced")
+        h1 = _host(s)
+        l2, s = _prefill(params, cfg, s, [second], "ced")
+        return (l1, h1), (l2, _host(s))
+
+    ref = {"a": alone(a1, a2), "o": alone(o1, o2)}
+    for order in (("a", "o"), ("o", "a")):
+        parts = {"a": (a1, a2), "o": (o1, o2)}
+        s = st.init_state(cfg, 2, CAP)
+        l1, s = _prefill(params, cfg, s, [parts[k][0] for k in order], "ced", pad_seed=7)
+        h1 = _host(s)
+        l2, s = _prefill(params, cfg, s, [parts[k][1] for k in order], "ced", pad_seed=8)
+        h2 = _host(s)
+        for row, name in enumerate(order):
+            for step, (lb, hb) in enumerate(((l1, h1), (l2, h2))):
+                lr, hr = ref[name][step]
+                where = f"row {name!r} at batch index {row}, chunk {step + 1}"
+                diffs = _state_diffs(_row(hb, row), hr)
+                assert not diffs, f"{where}: state row differs:\n" + "\n".join(diffs)
+                assert np.array_equal(_bits(lb[row]), _bits(lr[0])), \
+                    f"{where}: logits differ, max |diff| {_max_abs(lb[row], lr[0]):.3g}"
+
+
+# ----------------------------------------------------------------------------- 6. rejected calls
+
+
+def _assert_untouched(state, before: dict, what: str):
+    for k, v in jax.tree_util.tree_flatten_with_path(state)[0]:
+        assert not v.is_deleted(), f"{what}: state array {jax.tree_util.keystr(k)} was donated"
+    diffs = _state_diffs(_host(state), before)
+    assert not diffs, f"{what} changed the state:\n" + "\n".join(diffs)
+
+
+def test_rejected_calls_leave_state_untouched(model):
+    """Bad input raises ValueError with a clear message before anything runs, and the state is
+    neither changed nor donated: empty prompt (lengths 0, S = 0), token id vocab_size and -1,
+    prefill past capacity, decode / prefill on a full state, batch mismatches, bad mode."""
+    cfg, params = model
+    V = cfg.vocab_size
+    seq = _tokens(700, 64, V)
+    _, state = _run(params, cfg, seq[:38], [19, 19], "ced")
+    before = _host(state)
+    assert int(before["['pos']"][0]) == 38
+
+    def rejects(fn, match, what):
+        with pytest.raises(ValueError, match=match):
+            fn()
+        _assert_untouched(state, before, what)
+
+    ok_toks, ok_len = _pad_batch([seq[38:45]])
+    P = dsv.prefill
+    rejects(lambda: P(params, cfg, ok_toks, state, [0]), r"empty prompt", "lengths 0")
+    rejects(lambda: P(params, cfg, np.zeros((1, 0), np.int32), state, [0]), r"non-empty",
+            "S = 0")
+    for bad in (V, -1):
+        t = ok_toks.copy()
+        t[0, 3] = bad
+        rejects(lambda: P(params, cfg, t, state, ok_len), rf"token id {bad}\b.*vocab_size",
+                f"prefill token {bad}")
+        rejects(lambda: dsv.decode_step(params, cfg, state, np.array([bad])),
+                rf"token id {bad}\b.*vocab_size", f"decode token {bad}")
+    # 38 + 19 = 57 fits, 38 + 27 = 65 > 64 does not (a longer bucket: rejected before compiling)
+    long = np.zeros((1, 27), np.int32)
+    rejects(lambda: P(params, cfg, long, state, [27]), r"exceeds the state capacity of 64",
+            "prefill past capacity")
+    rejects(lambda: P(params, cfg, np.zeros((2, S_BUCKET), np.int32), state, [5, 5]),
+            r"batch 2 but the state holds 1", "tokens batch 2 vs state batch 1")
+    rejects(lambda: P(params, cfg, ok_toks, state, [7, 7]), r"lengths must have shape \[1\]",
+            "lengths shape (2,)")
+    rejects(lambda: P(params, cfg, ok_toks, state, np.array([[7]])),
+            r"lengths must have shape \[1\]", "lengths shape (1, 1)")
+    rejects(lambda: P(params, cfg, ok_toks, state, [S_BUCKET + 1]), r"lengths must be in",
+            "length > S")
+    rejects(lambda: dsv.decode_step(params, cfg, state, np.array([1, 2])),
+            r"tokens must have shape \[1\]", "decode batch 2 vs state batch 1")
+    rejects(lambda: P(params, cfg, ok_toks, state, ok_len, mode="fast"), r"mode must be",
+            "unknown mode")
+    # The untouched state is still the live one: fill it to capacity (38 + 19 + 7 = 64).
+    _, state = _prefill(params, cfg, state, [seq[38:57]], "ced")
+    _, state = _prefill(params, cfg, state, [seq[57:64]], "ced")
+    before = _host(state)
+    assert int(before["['pos']"][0]) == CAP
+    rejects(lambda: dsv.decode_step(params, cfg, state, np.array([1])),
+            r"64 tokens in the state \+ 1 new exceeds the state capacity of 64",
+            "decode on a full state")
+    rejects(lambda: P(params, cfg, ok_toks, state, [1]), r"exceeds the state capacity",
+            "prefill on a full state")
+
+
+# ----------------------------------------------------------------------------- 7. checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_a_tensors(model):
+    cfg, _ = model
+    flat = checkpoint.read_safetensors(
+        os.path.join(fixture_dir("tiny-a"), "weights.safetensors"))
+    checkpoint.validate_tensors(flat, cfg)   # the intact file is accepted
+    return cfg, flat
+
+
+@pytest.mark.parametrize("name", ["layers.6.attn.compressor.wkv.weight",
+                                  "layers.4.attn.indexer.wk.weight",
+                                  "layers.11.ffn.experts.7.w2.scale", "head.weight"])
+def test_checkpoint_missing_tensor(tiny_a_tensors, name):
+    cfg, flat = tiny_a_tensors
+    bad = {k: v for k, v in flat.items() if k != name}
+    assert len(bad) == len(flat) - 1
+    with pytest.raises(ValueError, match=r"missing tensor '" + name.replace(".", r"\.") + "'"):
+        checkpoint.params_from_tensors(bad, cfg)
+
+
+@pytest.mark.parametrize("name", ["layers.6.attn.compressor.wkv.weight",
+                                  "layers.3.attn.wq_b.scale", "norm.weight"])
+def test_checkpoint_wrong_shape(tiny_a_tensors, name):
+    cfg, flat = tiny_a_tensors
+    a = flat[name]
+    wrong = np.zeros((a.shape[0] + 1,) + a.shape[1:], a.dtype)
+    bad = dict(flat, **{name: wrong})
+    with pytest.raises(ValueError, match=r"tensor '" + name.replace(".", r"\.") +
+                       r"' has shape " + rf"\({a.shape[0] + 1}"):
+        checkpoint.params_from_tensors(bad, cfg)
+
+
+# ----------------------------------------------------------------------------- 8. bytes per token
+
+
+def test_global_kv_bytes_per_token_release():
+    """890 bytes of global KV per token at the release config: 3 ratio-2 sources x 356 / 2 +
+    1 ratio-1 source x 356 (main KV 256 + 32, indexer K 64 + 4 bytes per entry)."""
+    cfg = ModelConfig.from_json(FLASH_JSON)
+    assert cfg.kv_bytes_per_entry == {"main_kv": 288, "index_k": 68}
+    assert dsv.global_kv_bytes_per_token(cfg) == 890
+    assert dsv.global_kv_bytes_per_token(cfg, capacity=1024) == 890
