@@ -90,36 +90,25 @@ def read_ring(ring: dict) -> Float[Array, "B W K"]:
 
 def write_ring(ring: dict, kv: jax.Array, scale: jax.Array, p0: Int[Array, "B"],
                n: Int[Array, "B"]) -> dict:
-    """Write a chunk's entries (positions ``p0 .. p0+n-1``) into a ring, slot = pos mod W.
-
-    ``kv``/``scale`` are the chunk's packed rows ``[B, S, ...]``; each slot receives the newest
-    valid chunk position that maps to it, other slots keep their content; padding never lands.
-    """
-    W = ring["kv"].shape[1]
-    last = p0 + n - 1                                        # [B]
-    slot = jnp.arange(W, dtype=jnp.int32)[None, :]           # [1, W]
-    q = last[:, None] - jnp.mod(last[:, None] - slot, W)     # newest pos == slot (mod W)
-    take = (q >= p0[:, None]) & (n[:, None] > 0)
-    src = jnp.clip(q - p0[:, None], 0, kv.shape[1] - 1)
-
-    def upd(old, new):
-        g = jnp.take_along_axis(new, src[..., None].astype(jnp.int32), axis=1)
-        return jnp.where(take[..., None], g, old)
-
-    return {"kv": upd(ring["kv"], kv), "scale": upd(ring["scale"], scale)}
+    """Write a chunk's packed window entries (positions ``p0 .. p0+n-1``) into a ring."""
+    return {"kv": write_ring_values(ring["kv"], kv, p0, n),
+            "scale": write_ring_values(ring["scale"], scale, p0, n)}
 
 
-def write_ring_values(ring: jax.Array, values: jax.Array, p0, n) -> jax.Array:
-    """:func:`write_ring` for a single array ring ``[B, W, ...]`` (e.g. the encoder ring)."""
+def write_ring_values(ring: jax.Array, values: jax.Array, p0: Int[Array, "B"],
+                      n: Int[Array, "B"]) -> jax.Array:
+    """Write chunk rows ``values [B, S, ...]`` (positions ``p0 .. p0+n-1``) into a ring
+    ``[B, W, ...]`` with slot = position mod W: each slot receives the newest valid chunk
+    position that maps to it, other slots keep their content, padding never lands."""
     W = ring.shape[1]
     last = p0 + n - 1
     slot = jnp.arange(W, dtype=jnp.int32)[None, :]
-    q = last[:, None] - jnp.mod(last[:, None] - slot, W)
+    q = last[:, None] - jnp.mod(last[:, None] - slot, W)      # newest pos == slot (mod W)
     take = (q >= p0[:, None]) & (n[:, None] > 0)
     src = jnp.clip(q - p0[:, None], 0, values.shape[1] - 1)
-    idx = src.reshape(*src.shape, *([1] * (values.ndim - 2)))
-    g = jnp.take_along_axis(values, idx.astype(jnp.int32), axis=1)
-    return jnp.where(take.reshape(*take.shape, *([1] * (values.ndim - 2))), g, ring)
+    extra = (1,) * (values.ndim - 2)
+    g = jnp.take_along_axis(values, src.reshape(*src.shape, *extra).astype(jnp.int32), axis=1)
+    return jnp.where(take.reshape(*take.shape, *extra), g, ring)
 
 
 # ----------------------------------------------------------------------------- entries
