@@ -132,9 +132,6 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None) -> list[Check]
             X = jnp.asarray(f[f"prefill.block_out.L{L - 1}"]).astype(jnp.bfloat16)
             pm = jnp.asarray(f[f"prefill.block_pre_mix.L{L - 1}"])
         state = base
-        if role.owns_kv:  # the source builds its own entries from its input
-            fresh = st.init_state(cfg, B, cap)["kv"][f"L{L}"]
-            state = dict(state, kv=dict(state["kv"], **{f"L{L}": fresh}))
         bus = {"topk": jnp.full((B, S, 1), -1, jnp.int32), "candidates": None}
         if role.mode == "reuse":
             ft = f[f"prefill.index_topk.L{role.index_layer}"]
@@ -143,10 +140,17 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None) -> list[Check]
             fc = f[f"prefill.candidates.L{cfg.candidate_source_layer}"]
             T = st.entry_capacity(cap, 1)
             bus["candidates"] = jnp.asarray(np.pad(fc, ((0, 0), (0, 0), (0, T - fc.shape[-1]))))
-        rec, kv_after = _run_block(params["layers"][L], X, pm, role, cfg, ch, state, bus,
-                                   engram_ids.get(L), image_mask)
         if role.owns_kv:
+            # the source's own entries, built from its input, vs the recorded cache ...
+            fresh = st.init_state(cfg, B, cap)["kv"][f"L{L}"]
+            s_fresh = dict(state, kv=dict(state["kv"], **{f"L{L}": fresh}))
+            _, kv_after = _run_block(params["layers"][L], X, pm, role, cfg, ch, s_fresh, bus,
+                                     engram_ids.get(L), image_mask)
             out += _source_checks(cfg, kv_after[f"L{L}"], f, L, case)
+        # ... and the block's outputs with every shared input teacher-forced (a single FP4 code
+        # flipped by fp32 summation order in the compressor would otherwise move whole rows)
+        rec, _ = _run_block(params["layers"][L], X, pm, role, cfg, ch, state, bus,
+                            engram_ids.get(L), image_mask, skip_kv_update=role.owns_kv)
         ties = tied_rows(f, "prefill", L)
         keep = np.array([s not in ties for s in range(S)])
         noise = f[f"prefill.block_out_noise.L{L}"] if f"prefill.block_out_noise.L{L}" in f.files \
@@ -204,11 +208,13 @@ def _source_checks(cfg, src, f, L, case) -> list[Check]:
     return out
 
 
-def _run_block(p, X, pm, role, cfg, ch, state, bus, engram_ids, image_mask):
+def _run_block(p, X, pm, role, cfg, ch, state, bus, engram_ids, image_mask,
+               skip_kv_update=False):
     def fn(p, X, pm, state, bus, engram_ids, image_mask):
         rec = {}
         _, _, state, _ = model.block(p, X, pm, role, cfg, ch, state, bus, engram_ids=engram_ids,
-                                     image_mask=image_mask, record=rec)
+                                     image_mask=image_mask, skip_kv_update=skip_kv_update,
+                                     record=rec)
         return rec, state["kv"]
 
     return jax.jit(fn)(p, X, pm, state, bus, engram_ids, image_mask)

@@ -25,11 +25,17 @@ BF16 = jnp.bfloat16
 
 
 def to_np(tree):
-    return jax.tree.map(np.asarray, tree)
+    """Numpy COPIES of every leaf (a donated device buffer must never back a kept array)."""
+    return jax.tree.map(lambda a: np.array(a, copy=True), tree)
 
 
 def copy_state(s):
     return jax.tree.map(jnp.copy, s)
+
+
+def to_dev(tree):
+    """Fresh device buffers for a (numpy) state, safe to donate."""
+    return jax.tree.map(lambda a: jnp.copy(jnp.asarray(a)), tree)
 
 
 def seq(seed: int, n: int = BUCKET, vocab: int = 512) -> np.ndarray:
@@ -185,3 +191,29 @@ def np_sinkhorn(m, scale, base, hc, iters, eps):
         c = c / (c.sum(1, keepdims=True) + eps)
         c = c / (c.sum(0, keepdims=True) + eps)
     return pre, post, c
+
+
+def make_chunk(cfg, offset, S: int, n: int | None = None, decode: bool = False, win_lo=None):
+    """A one-row :class:`Chunk` for positions ``offset .. offset+S-1``; the window starts at
+    ``win_lo`` (default ``offset``: nothing before the chunk exists)."""
+    from dsv41_jax import model
+    n = S if n is None else n
+    off = jnp.asarray(offset, jnp.int32).reshape(1)
+    lo = off if win_lo is None else jnp.asarray(win_lo, jnp.int32).reshape(1)
+    pos = off[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(S)[None, :] < n
+    return model._make_chunk(cfg, pos, valid, off, jnp.full((1,), n, jnp.int32), lo, decode,
+                             False)
+
+
+def poison_bytes(rng, a, e8m0: bool = False):
+    """Random finite garbage with the dtype/shape of ``a``: packed e2m1 bytes (any byte),
+    E8M0 scale bytes (``e8m0``: exponents near 1, never the NaN/inf byte), e4m3 or fp32 values."""
+    a = np.asarray(a)
+    if a.dtype == np.uint8:
+        if e8m0:
+            return rng.integers(121, 134, size=a.shape).astype(np.uint8)
+        return rng.integers(0, 256, size=a.shape).astype(np.uint8)
+    if a.dtype.itemsize == 1:   # float8_e4m3fn
+        return rng.uniform(-3, 3, size=a.shape).astype(np.float32).astype(a.dtype)
+    return rng.uniform(-3, 3, size=a.shape).astype(a.dtype)
