@@ -42,6 +42,7 @@ class Static(NamedTuple):
     cfg: ModelConfig
     compat_stale_index_k: bool = False
     collect: bool = False
+    batch_invariant: bool = False
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -219,7 +220,27 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, *, static
     return out, state
 
 
-_chunk_jit = jax.jit(_chunk_impl, static_argnames=("static", "mode", "replay_len", "all_logits"),
+def _chunk_rows(params, tokens, n, state, embeds_override, image_mask, *, static: Static,
+                mode: str, replay_len: int, all_logits: bool):
+    """:func:`_chunk_impl`, either on the whole batch or (``static.batch_invariant``) one row
+    at a time with ``lax.map``, so that every row runs the very computation of a batch of one:
+    results are then bitwise independent of the batch size (XLA's CPU GEMMs otherwise re-block
+    their sums with the number of rows)."""
+    kw = dict(static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
+    if not static.batch_invariant or tokens.shape[0] == 1:
+        return _chunk_impl(params, tokens, n, state, embeds_override, image_mask, **kw)
+
+    def one(row):
+        tok, nn, s, emb, im = row
+        add = lambda x: None if x is None else x[None]  # noqa: E731
+        out, s = _chunk_impl(params, tok[None], nn[None], jax.tree.map(add, s), add(emb),
+                             add(im), **kw)
+        return jax.tree.map(lambda x: x[0], (out, s))
+
+    return jax.lax.map(one, (tokens, n, state, embeds_override, image_mask))
+
+
+_chunk_jit = jax.jit(_chunk_rows, static_argnames=("static", "mode", "replay_len", "all_logits"),
                      donate_argnames=("state",))
 
 
@@ -248,7 +269,7 @@ def _check_capacity(cfg, state, new: np.ndarray):
 
 def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str = "ced",
             compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
-            collect: bool = False, all_logits: bool = False):
+            collect: bool = False, all_logits: bool = False, batch_invariant: bool = False):
     """Prefill a chunk of tokens per row, continuing from ``state``.
 
     Args:
@@ -258,6 +279,8 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
       compat_stale_index_k: reproduce the reference's decode ``index_k`` quirk (spec 3.12).
       embeds_override, image_mask: bf16 [B, S, D] rows replacing the token embeddings where the
         bool [B, S] ``image_mask`` is set (image spans, spec 8.4).
+      batch_invariant: run the rows one at a time (``lax.map``) so each row's result is
+        bitwise that of a batch of one (slower for large batches).
 
     Returns ``(out, state)`` with ``out["logits"]`` fp32 [B, V] at each row's last token.
 
@@ -283,14 +306,14 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     _check_capacity(cfg, state, lengths)
     fresh = not np.asarray(state["pos"]).any()
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
-    static = Static(cfg, compat_stale_index_k, collect)
+    static = Static(cfg, compat_stale_index_k, collect, batch_invariant)
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
     return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
                       static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
 
 
 def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k: bool = False,
-                collect: bool = False):
+                collect: bool = False, batch_invariant: bool = False):
     """One token per row through all layers.
 
     Args: ``tokens`` int [B]. Returns ``(logits fp32 [B, V], state)`` (the state is donated).
@@ -302,7 +325,7 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
         raise ValueError(f"tokens must have shape [{B}] (one per row), got {tokens.shape}")
     _check_tokens(cfg, tokens)
     _check_capacity(cfg, state, np.ones((B,), np.int32))
-    static = Static(cfg, compat_stale_index_k, collect)
+    static = Static(cfg, compat_stale_index_k, collect, batch_invariant)
     out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
                             jnp.ones((B,), jnp.int32), state, None, None, static=static,
                             mode="exact", replay_len=1, all_logits=False)

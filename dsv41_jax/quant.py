@@ -86,13 +86,24 @@ def act_quant_qdq(x: Float[Array, "... K"], block: int = 32) -> Float[Array, "..
 # ----------------------------------------------------------------------------- FP4
 
 
-def _e2m1_code(v: Float[Array, "..."]) -> jax.Array:
-    """Round ``v`` (already divided by its scale) to the nearest e2m1 code, ties to even."""
-    v = jnp.clip(v, -FP4_MAX, FP4_MAX)
-    a = jnp.abs(v)
-    idx = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
-           + (a > 2.5) + (a >= 3.5) + (a > 5.0)).astype(jnp.uint8)
-    sign = jnp.signbit(v).astype(jnp.uint8)
+_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                (3.5, True), (5.0, False))  # (boundary, a tie rounds up to the even code)
+
+
+def _e2m1_code(x: Float[Array, "..."], s: Float[Array, "..."]) -> jax.Array:
+    """e2m1 code of ``clamp(x / s, -6, 6)`` rounded to nearest, ties to the even code.
+
+    Decided without dividing: ``|x| <op> b * s`` is exact (``b`` has <= 3 significant bits and
+    ``s`` <= 4), and because ``x`` is bf16 the quotient ``x / s`` is either exactly a boundary
+    or far from it, so this equals the reference's ``fl(x / s) <op> b``. (XLA may rewrite a
+    division by a broadcast scale into a reciprocal multiply, which moves exact ties.)
+    """
+    a = jnp.abs(x)
+    idx = jnp.zeros(x.shape, jnp.uint8)
+    for b, up in _E2M1_BOUNDS:
+        bs = s * np.float32(b)
+        idx = idx + ((a >= bs) if up else (a > bs)).astype(jnp.uint8)
+    sign = jnp.signbit(x).astype(jnp.uint8)
     return idx | (sign << 3)
 
 
@@ -123,7 +134,7 @@ def fp4_quantize(x: Float[Array, "... K"], block: int, scale_fmt: str
         s_store = s_store[..., 0]
     else:
         raise ValueError(f"scale_fmt must be 'e8m0' or 'e4m3', got {scale_fmt!r}")
-    code = _e2m1_code(xb / s)
+    code = _e2m1_code(xb, s)
     return code.reshape(x.shape), s_store
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import quant, state as st
+from dsv41_jax import quant
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.linear import linear, rms_norm
 from dsv41_jax.layers.rope import apply_rope, rope_angles, rope_frequencies
@@ -60,13 +60,16 @@ def pad_rows(rows, S: int = BUCKET, fill=None):
 def prefill(params, cfg, rows, state=None, fill=None):
     """Exact prefill of right-padded ``rows`` (list of 1-D token arrays), continuing ``state``.
 
-    Returns ``(out numpy tree, state)``; ``state`` (if given) is donated.
+    Runs with ``batch_invariant=True`` (rows one at a time inside the compiled function), the
+    mode that guarantees bitwise batch-size invariance (B01 packed, B24); a batch of one is
+    the same computation either way. Returns ``(out numpy tree, state)``; ``state`` (if given)
+    is donated.
     """
     if state is None:
         state = dsv.init_state(cfg, len(rows), CAP)
     toks, lens = pad_rows(rows, fill=fill)
     out, state = dsv.prefill(params, cfg, toks, state, lens, mode="exact", collect=True,
-                             all_logits=True)
+                             all_logits=True, batch_invariant=True)
     return to_np(out), state
 
 

@@ -50,6 +50,7 @@ def select_topk(score: Float[Array, "B S T"], k: int) -> Int[Array, "B S k"]:
     Ties go to the lower position (the reference's choice is implementation-defined).
     """
     k = min(k, score.shape[-1])
+    score = jnp.where(jnp.isnan(score), NEG_INF, score)  # NaN never takes a slot (B06)
     vals, idx = jax.lax.top_k(score, k)
     big = jnp.int32(score.shape[-1] + 1)
     idx = jnp.where(vals > NEG_INF, idx.astype(jnp.int32), big)
@@ -68,6 +69,7 @@ def candidate_pool(score: Float[Array, "B S T"], visible: Int[Array, "B S"], n_b
     nb = -(-T // block)
     pad = nb * block - T
     sp = jnp.pad(score, ((0, 0), (0, 0), (0, pad)), constant_values=NEG_INF)
+    sp = jnp.where(jnp.isnan(sp), NEG_INF, sp)  # a NaN block never displaces a finite one
     bs = jnp.max(sp.reshape(B, S, nb, block), axis=-1)
     last = (visible - 1) // block
     bs = jnp.where(jnp.arange(nb)[None, None, :] == last[..., None], jnp.inf, bs)
