@@ -40,7 +40,6 @@ class Static(NamedTuple):
     """Hashable static arguments of the compiled entry points."""
 
     cfg: ModelConfig
-    compat_stale_index_k: bool = False
     collect: bool = False
     batch_invariant: bool = False
 
@@ -132,7 +131,8 @@ def _embed(params, cfg, tokens, embeds_override, image_mask):
     return jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
 
 
-def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, *, static: Static,
+def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *,
+                static: Static,
                 mode: str, replay_len: int, all_logits: bool):
     """One prefill chunk or decode step (S = 1). See :func:`prefill`."""
     cfg = static.cfg
@@ -147,8 +147,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, *, static
     token_mask = None if image_mask is None else ~image_mask
     extras, state = _engram_extras(params, cfg, tokens, positions, n, state, token_mask)
     extras["image_mask"] = image_mask
-    ch = _make_chunk(cfg, positions, valid, p0, n, jnp.zeros_like(p0), decode,
-                     static.compat_stale_index_k)
+    ch = _make_chunk(cfg, positions, valid, p0, n, jnp.zeros_like(p0), decode, compat)
     records = {} if static.collect else None
     X = _embed(params, cfg, tokens, embeds_override, image_mask)
     pre_mix = mhc.identity_pre_mix((B, S), cfg.hc_mult)
@@ -185,8 +184,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, *, static
         src = jnp.clip(src, 0, W + S - 1)
         Xr = jnp.take_along_axis(enc_all_x, src[:, :, None, None], axis=1)
         pmr = jnp.take_along_axis(enc_all_pm, src[:, :, None], axis=1)
-        ch_r = _make_chunk(cfg, rpos, rvalid, start, R, start, False,
-                           static.compat_stale_index_k)
+        ch_r = _make_chunk(cfg, rpos, rvalid, start, R, start, False, compat)
         tok_r = jnp.take_along_axis(tokens, jnp.clip(rpos - p0[:, None], 0, S - 1), axis=1)
         del tok_r
         extras_r = dict(extras, engram_ids={}, token_mask=None,
@@ -220,7 +218,8 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, *, static
     return out, state
 
 
-def _chunk_rows(params, tokens, n, state, embeds_override, image_mask, *, static: Static,
+def _chunk_rows(params, tokens, n, state, embeds_override, image_mask, compat, *,
+                static: Static,
                 mode: str, replay_len: int, all_logits: bool):
     """:func:`_chunk_impl`, either on the whole batch or (``static.batch_invariant``) one row
     at a time with ``lax.map``, so that every row runs the very computation of a batch of one:
@@ -228,13 +227,13 @@ def _chunk_rows(params, tokens, n, state, embeds_override, image_mask, *, static
     their sums with the number of rows)."""
     kw = dict(static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
     if not static.batch_invariant or tokens.shape[0] == 1:
-        return _chunk_impl(params, tokens, n, state, embeds_override, image_mask, **kw)
+        return _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, **kw)
 
     def one(row):
         tok, nn, s, emb, im = row
         add = lambda x: None if x is None else x[None]  # noqa: E731
         out, s = _chunk_impl(params, tok[None], nn[None], jax.tree.map(add, s), add(emb),
-                             add(im), **kw)
+                             add(im), compat, **kw)
         return jax.tree.map(lambda x: x[0], (out, s))
 
     return jax.lax.map(one, (tokens, n, state, embeds_override, image_mask))
@@ -306,10 +305,10 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     _check_capacity(cfg, state, lengths)
     fresh = not np.asarray(state["pos"]).any()
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
-    static = Static(cfg, compat_stale_index_k, collect, batch_invariant)
+    static = Static(cfg, collect, batch_invariant)
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
     return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
-                      static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
+                      jnp.asarray(compat_stale_index_k), static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
 
 
 def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k: bool = False,
@@ -325,9 +324,10 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
         raise ValueError(f"tokens must have shape [{B}] (one per row), got {tokens.shape}")
     _check_tokens(cfg, tokens)
     _check_capacity(cfg, state, np.ones((B,), np.int32))
-    static = Static(cfg, compat_stale_index_k, collect, batch_invariant)
+    static = Static(cfg, collect, batch_invariant)
     out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
-                            jnp.ones((B,), jnp.int32), state, None, None, static=static,
+                            jnp.ones((B,), jnp.int32), state, None, None,
+                            jnp.asarray(compat_stale_index_k), static=static,
                             mode="exact", replay_len=1, all_logits=False)
     if collect:
         return out, state

@@ -268,10 +268,25 @@ def end_to_end(cfg, params, f, case_meta: dict, compat: bool, image=None) -> lis
     if n_dec:
         dec_in = f["decode.input_ids"]
         got = []
+        rows_eq = []
+        r2 = [L for L in LayerPlan.from_config(cfg).kv_sources if cfg.compress_ratios[L] > 1]
         for i in range(n_dec):
-            logits, state = model.decode_step(params, cfg, state, dec_in[i],
-                                              compat_stale_index_k=compat)
-            got.append(np.asarray(logits))
+            res, state = model.decode_step(params, cfg, state, dec_in[i],
+                                           compat_stale_index_k=compat, collect=True)
+            got.append(np.asarray(res["logits"]))
+            for L in r2:  # the layers whose keys the compat quirk swaps on even positions
+                ref_rows = f[f"decode.index_topk.L{L}"][i]
+                mine = np.asarray(res["records"][L]["index_topk"])[..., :ref_rows.shape[-1]]
+                mine = np.where(mine >= 0, mine + cfg.window_size, -1)
+                valid = ref_rows != -2
+                rows_eq.append(bool((np.where(valid, mine, -2) == ref_rows).all()))
+        if rows_eq:
+            frac = float(np.mean(rows_eq))
+            # decode drifts within the recorded noise and ties exist, so rows are compared as a
+            # rate; a broken index path (visibility, stale keys, offsets) scores ~0-30%
+            out.append(Check(name, "decode.index_topk (ratio-2 sources)", 1 - frac, frac,
+                             f">= 45% of step x layer rows equal ({100 * frac:.0f}%)",
+                             frac >= 0.45))
         got = np.stack(got, 1)                                    # [B, n, V]
         ref, cols, tok, margin = _ref_logits(f, "decode")
         nd = tf["decode_steps"] if tf["prefill_positions"] == S else 0
@@ -449,7 +464,18 @@ def run_fixture_dir(path: str, cases=None, teacher_forced=True, progress=None) -
             checks += engram_checks(cfg, params, f, meta["name"])
         if teacher_forced and meta.get("detail") == "full":
             checks += teacher_forced_blocks(cfg, params, f, meta["name"])
-        checks += end_to_end(cfg, params, f, meta, compat)
+        e2e = end_to_end(cfg, params, f, meta, compat)
+        checks += e2e
+        if compat:
+            # the switch must matter: the intended semantics match these rows clearly worse
+            other = end_to_end(cfg, params, f, meta, False)
+            a = [c.max_rel for c in e2e if "index_topk (ratio" in c.name]
+            b = [c.max_rel for c in other if "index_topk (ratio" in c.name]
+            if a and b:
+                checks.append(Check(meta["name"], "compat switch effect", a[0] - b[0], 0.0,
+                                    f"row match with the compat switch ({100 * a[0]:.0f}%) >= "
+                                    f"without it ({100 * b[0]:.0f}%) + 20 points",
+                                    a[0] >= b[0] + 0.2))
         if progress:
             progress(meta["name"])
     return checks

@@ -35,7 +35,7 @@ class Chunk(NamedTuple):
     n: Int[Array, "B"]
     win_lo: Int[Array, "B"]        # window entries below this position are unavailable
     decode: bool                   # S == 1: list the window in ring order (spec 3.3)
-    compat_stale_index_k: bool     # reproduce the reference's decode index_k slot (spec 3.12)
+    compat_stale_index_k: jax.Array  # bool scalar (traced): the reference's decode index_k quirk
     freqs: dict                    # RoPE frequencies per table kind (numpy fp32)
 
 
@@ -194,14 +194,14 @@ def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, state, bus, c
     src = state["kv"][f"L{role.kv_layer}"]
     codes, scale = src["index"], src["index_scale"]
     visible = (ch.positions + 1) // r
-    if ch.compat_stale_index_k and ch.decode and role.owns_kv and r > 1:
+    if ch.decode and role.owns_kv and r > 1:
         # Reference decode quirk (spec 3.12): on even positions no latent is produced, so the
         # module-global index_k still holds the ratio-1 source's cache of the previous forward.
         stale = [k for k, v in state["kv"].items() if "tail_kv" not in v]
         if stale:
             s1 = state["kv"][stale[0]]
             t = codes.shape[1]
-            even = (jnp.mod(ch.p0, 2) == 0)[:, None, None]
+            even = ((jnp.mod(ch.p0, 2) == 0) & ch.compat_stale_index_k)[:, None, None]
             codes = jnp.where(even, s1["index"][:, :t], codes)
             scale = jnp.where(even, s1["index_scale"][:, :t], scale)
     k_idx = st.dequant_index_k(codes, scale)
