@@ -103,6 +103,13 @@ def head_logits(params, cfg: ModelConfig, X, pre_mix) -> tuple[jax.Array, jax.Ar
     return h, logits
 
 
+def _logits_at(params, cfg, X, pre_mix, last):
+    """fp32 logits [B, V] of position ``last[b]`` of each row."""
+    X_last = jnp.take_along_axis(X, last[:, None, None, None], axis=1)[:, 0]
+    pm_last = jnp.take_along_axis(pre_mix, last[:, None, None], axis=1)[:, 0]
+    return head_logits(params, cfg, X_last, pm_last)[1]
+
+
 def _make_chunk(cfg, positions, valid, p0, n, win_lo, decode, compat):
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
     return Chunk(positions, valid, p0, n, win_lo, decode, compat, freqs)
@@ -185,8 +192,6 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
         Xr = jnp.take_along_axis(enc_all_x, src[:, :, None, None], axis=1)
         pmr = jnp.take_along_axis(enc_all_pm, src[:, :, None], axis=1)
         ch_r = _make_chunk(cfg, rpos, rvalid, start, R, start, False, compat)
-        tok_r = jnp.take_along_axis(tokens, jnp.clip(rpos - p0[:, None], 0, S - 1), axis=1)
-        del tok_r
         extras_r = dict(extras, engram_ids={}, token_mask=None,
                         image_mask=None if image_mask is None else jnp.take_along_axis(
                             jnp.concatenate([jnp.zeros((B, W), bool), image_mask], 1),
@@ -194,21 +199,13 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
         bus_r = {"topk": jnp.full((B, replay_len, 1), -1, jnp.int32), "candidates": None}
         Xr, pmr, state, _ = _run_blocks(params, cfg, plan, range(dec, cfg.n_layers), Xr, pmr,
                                         ch_r, state, bus_r, extras_r, records, skip_kv_layer=dec)
-        last = jnp.clip(R - 1, 0, replay_len - 1)
-        X_last = jnp.take_along_axis(Xr, last[:, None, None, None], axis=1)[:, 0]
-        pm_last = jnp.take_along_axis(pmr, last[:, None, None], axis=1)[:, 0]
-        h, logits = head_logits(params, cfg, X_last, pm_last)
-        out = {"logits": logits}
+        out = {"logits": _logits_at(params, cfg, Xr, pmr, jnp.clip(R - 1, 0, replay_len - 1))}
         if all_logits:
             out["replay_logits"] = head_logits(params, cfg, Xr, pmr)[1]
     else:
         X, pre_mix, state, bus = _run_blocks(params, cfg, plan, range(dec, cfg.n_layers), X,
                                              pre_mix, ch, state, bus, extras, records)
-        last = jnp.clip(n - 1, 0, S - 1)
-        X_last = jnp.take_along_axis(X, last[:, None, None, None], axis=1)[:, 0]
-        pm_last = jnp.take_along_axis(pre_mix, last[:, None, None], axis=1)[:, 0]
-        h, logits = head_logits(params, cfg, X_last, pm_last)
-        out = {"logits": logits}
+        out = {"logits": _logits_at(params, cfg, X, pre_mix, jnp.clip(n - 1, 0, S - 1))}
         if all_logits:
             hid, lg = head_logits(params, cfg, X, pre_mix)
             out["all_logits"], out["final_hidden"] = lg, hid

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from dsv41_jax import checkpoint, model, random_weights, state as st, tokenizer  # noqa: E402
-from dsv41_jax.config import LayerPlan, ModelConfig  # noqa: E402
+from dsv41_jax.config import ModelConfig  # noqa: E402
 
 DEFAULT_PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a "
                   "good fortune, must be in want of a wife. However little known the feelings or "
@@ -37,7 +37,6 @@ DEFAULT_PROMPT = ("It is a truth universally acknowledged, that a single man in 
 
 def state_report(cfg: ModelConfig, state: dict) -> list[str]:
     """Human-readable sizes of the inference state (entries and bytes per source)."""
-    plan = LayerPlan.from_config(cfg)
     pos = np.asarray(state["pos"])
     lines = [f"tokens in state: {pos.tolist()}"]
     total = 0
@@ -66,7 +65,6 @@ def state_report(cfg: ModelConfig, state: dict) -> list[str]:
     if "enc_ring" in state:
         e = state["enc_ring"]
         lines.append(f"encoder output ring (bounded replay): {(e['x'].nbytes + e['pre_mix'].nbytes) // pos.size} B per row")
-    del plan
     return lines
 
 
