@@ -15,16 +15,15 @@ Bad input raises ``ValueError`` before anything runs, so a rejected call never t
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
 
 from dsv41_jax import state as st
 from dsv41_jax.config import LayerPlan, ModelConfig
+from dsv41_jax.layers import engram as engram_layer
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.attention import Chunk, attention, kv_source_update
 from dsv41_jax.layers.linear import rms_norm
@@ -56,8 +55,6 @@ def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, state, bus, *,
     """
     C = cfg.hc_mult
     if role.engram:
-        from dsv41_jax.layers import engram as engram_layer
-
         X = engram_layer.engram_forward(p["engram"], X, engram_ids, token_mask, cfg)
         if record is not None:
             record["engram_out"] = X
@@ -119,7 +116,6 @@ def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
     extras = {"engram_ids": {}, "token_mask": token_mask}
     if not cfg.engram_layer_ids:
         return extras, state
-    from dsv41_jax.layers import engram as engram_layer
     cids = params["engram_token_map"][tokens]
     if token_mask is not None:
         cids = jnp.where(token_mask, cids, -1)

@@ -9,7 +9,7 @@ Ratio 1 is a bf16 GEMM with no gate. Latents are returned pre-RoPE and pre-quant
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from dsv41_jax.layers.linear import linear, rms_norm
 

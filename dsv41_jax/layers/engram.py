@@ -220,7 +220,7 @@ def engram_hash_ids(cids: Int[Array, "B S"], history: Int[Array, "B P"],
     prime = jnp.asarray(consts["prime_u32"], jnp.uint32)          # [N, G]
     offset = jnp.asarray(consts["offset_i32"], jnp.int32)         # [N, G]
     pad = jnp.asarray(consts["pad"], jnp.int32)
-    n_layers, k_max = mult.shape[0], mult.shape[1]
+    k_max = mult.shape[1]
     n_cols = prime.shape[1]
     heads = n_cols // (k_max - 1)
     b, s = cids.shape

@@ -9,7 +9,6 @@ indexer q/k). RoPE acts on the LAST ``rope_head_dim`` channels, on interleaved p
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
