@@ -171,6 +171,28 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return read_safetensors(path)
 
 
+def engram_params(cfg, tokenizer_map=None) -> dict:
+    """``engram_token_map`` (int32 [V]) and the hashing constants of the Engram layers (spec 6).
+
+    ``tokenizer_map`` defaults to the compressed map built from the real tokenizer. Raises
+    ``ValueError`` if its number of ids is not ``cfg.engram_compressed_vocab_size``.
+    """
+    import jax.numpy as jnp
+
+    from dsv41_jax.layers import engram as engram_layer
+    if tokenizer_map is None:
+        from dsv41_jax import tokenizer as tok
+        tokenizer_map = tok.build_compressed_token_map(tok.load_tokenizer())
+    if len(np.unique(tokenizer_map)) != cfg.engram_compressed_vocab_size:
+        raise ValueError(f"compressed token map has {len(np.unique(tokenizer_map))} ids, "
+                         f"config says engram_compressed_vocab_size="
+                         f"{cfg.engram_compressed_vocab_size}")
+    consts = engram_layer.engram_constants(cfg, tokenizer_map)
+    return {"engram_token_map": jnp.asarray(tokenizer_map, jnp.int32),
+            "engram_consts": {k: jnp.asarray(v) for k, v in
+                              engram_layer.engram_hash_constants(consts).items()}}
+
+
 def params_from_tensors(flat: dict[str, np.ndarray], cfg, tokenizer_map=None) -> dict:
     """Reference tensors -> the model's parameter pytree, with the load-time conversions of
     spec 2.7: experts stacked (packed FP4 kept), ``wo_a`` dequantised to bf16, the BF16-stored
@@ -210,18 +232,7 @@ def params_from_tensors(flat: dict[str, np.ndarray], cfg, tokenizer_map=None) ->
         layers.append(lp)
     params["layers"] = layers
     if cfg.engram_layer_ids:
-        from dsv41_jax.layers import engram as engram_layer
-        if tokenizer_map is None:
-            from dsv41_jax import tokenizer as tok
-            tokenizer_map = tok.build_compressed_token_map(tok.load_tokenizer())
-        if len(np.unique(tokenizer_map)) != cfg.engram_compressed_vocab_size:
-            raise ValueError(f"compressed token map has {len(np.unique(tokenizer_map))} ids, "
-                             f"config says engram_compressed_vocab_size="
-                             f"{cfg.engram_compressed_vocab_size}")
-        params["engram_token_map"] = jnp.asarray(tokenizer_map, jnp.int32)
-        consts = engram_layer.engram_constants(cfg, tokenizer_map)
-        params["engram_consts"] = {k: jnp.asarray(v) for k, v in
-                                   engram_layer.engram_hash_constants(consts).items()}
+        params.update(engram_params(cfg, tokenizer_map))
     for name in ("image_start", "image_end", "image_newline"):
         if name in tree:
             params[name] = jnp.asarray(tree[name])

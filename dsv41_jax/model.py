@@ -29,6 +29,7 @@ from dsv41_jax.layers.attention import Chunk, attention, kv_source_update
 from dsv41_jax.layers.linear import rms_norm
 from dsv41_jax.layers.moe import moe
 from dsv41_jax.layers.rope import rope_frequencies
+from pallas_kernels.sparse_attention import resolve_impl
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -41,6 +42,7 @@ class Static(NamedTuple):
     cfg: ModelConfig
     collect: bool = False
     batch_invariant: bool = False
+    attn_impl: str = "xla"   # resolved sparse-attention implementation (never "auto")
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -107,9 +109,10 @@ def _logits_at(params, cfg, X, pre_mix, last):
     return head_logits(params, cfg, X_last, pm_last)[1]
 
 
-def _make_chunk(cfg, positions, valid, p0, n, win_lo, decode, compat):
+def _make_chunk(cfg, positions, valid, p0, n, win_lo, decode, compat, attn_impl="xla",
+                win_width=0):
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
-    return Chunk(positions, valid, p0, n, win_lo, decode, compat, freqs)
+    return Chunk(positions, valid, p0, n, win_lo, decode, compat, freqs, attn_impl, win_width)
 
 
 def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
@@ -150,7 +153,9 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     token_mask = None if image_mask is None else ~image_mask
     extras, state = _engram_extras(params, cfg, tokens, positions, n, state, token_mask)
     extras["image_mask"] = image_mask
-    ch = _make_chunk(cfg, positions, valid, p0, n, jnp.zeros_like(p0), decode, compat)
+    # replay_len is min(W, S) on a fresh prefill, else W: the reference's window-list width
+    ch = _make_chunk(cfg, positions, valid, p0, n, jnp.zeros_like(p0), decode, compat,
+                     static.attn_impl, 0 if decode else replay_len)
     records = {} if static.collect else None
     X = _embed(params, cfg, tokens, embeds_override, image_mask)
     pre_mix = mhc.identity_pre_mix((B, S), cfg.hc_mult)
@@ -187,7 +192,8 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
         src = jnp.clip(src, 0, W + S - 1)
         Xr = jnp.take_along_axis(enc_all_x, src[:, :, None, None], axis=1)
         pmr = jnp.take_along_axis(enc_all_pm, src[:, :, None], axis=1)
-        ch_r = _make_chunk(cfg, rpos, rvalid, start, R, start, False, compat)
+        ch_r = _make_chunk(cfg, rpos, rvalid, start, R, start, False, compat, static.attn_impl,
+                           replay_len)
         extras_r = dict(extras, engram_ids={}, token_mask=None,
                         image_mask=None if image_mask is None else jnp.take_along_axis(
                             jnp.concatenate([jnp.zeros((B, W), bool), image_mask], 1),
@@ -261,7 +267,8 @@ def _check_capacity(cfg, state, new: np.ndarray):
 
 def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str = "ced",
             compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
-            collect: bool = False, all_logits: bool = False, batch_invariant: bool = False):
+            collect: bool = False, all_logits: bool = False, batch_invariant: bool = False,
+            attn_impl: str = "auto"):
     """Prefill a chunk of tokens per row, continuing from ``state``.
 
     Args:
@@ -273,12 +280,18 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         bool [B, S] ``image_mask`` is set (image spans, spec 8.4).
       batch_invariant: run the rows one at a time (``lax.map``) so each row's result is
         bitwise that of a batch of one (slower for large batches).
+      attn_impl: kernel family (``pallas_kernels.sparse_attention.IMPLS``) for the sparse
+        attention and the FP4 state writes: ``"auto"`` picks the Triton kernels on GPU for
+        calls of >= 256 query rows and the XLA path otherwise (CPU, TPU, small decode
+        batches); ``"xla"``, ``"triton"``, ``"mosaic_tpu"`` (and their ``*_interpret``
+        variants) force one.
 
     Returns ``(out, state)`` with ``out["logits"]`` fp32 [B, V] at each row's last token.
 
     Raises:
       ValueError: empty prompt, token id outside [0, vocab), lengths not matching the batch or
-        outside [1, S], state capacity exceeded, unknown mode. The state is then untouched.
+        outside [1, S], state capacity exceeded, unknown mode or attn_impl. The state is then
+        untouched.
     """
     if mode not in ("ced", "exact"):
         raise ValueError(f"mode must be 'ced' or 'exact', got {mode!r}")
@@ -298,26 +311,31 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     _check_capacity(cfg, state, lengths)
     fresh = not np.asarray(state["pos"]).any()
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
-    static = Static(cfg, collect, batch_invariant)
+    # the kernel choice depends on the rows of one call: with batch_invariant a row runs alone
+    rows = (1 if batch_invariant else B) * S
+    static = Static(cfg, collect, batch_invariant, resolve_impl(attn_impl, rows=rows))
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
     return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
                       jnp.asarray(compat_stale_index_k), static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
 
 
 def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k: bool = False,
-                collect: bool = False, batch_invariant: bool = False):
+                collect: bool = False, batch_invariant: bool = False, attn_impl: str = "auto"):
     """One token per row through all layers.
 
-    Args: ``tokens`` int [B]. Returns ``(logits fp32 [B, V], state)`` (the state is donated).
-    Raises ``ValueError`` for a token outside [0, vocab), a batch mismatch or a full state.
+    Args: ``tokens`` int [B]; ``attn_impl`` as in :func:`prefill`. Returns
+    ``(logits fp32 [B, V], state)`` (the state is donated). Raises ``ValueError`` for a token
+    outside [0, vocab), a batch mismatch, a full state or an unknown attn_impl.
     """
+    rows = 1 if batch_invariant else int(np.asarray(tokens).size)
+    attn_impl = resolve_impl(attn_impl, rows=rows)
     tokens = np.asarray(tokens).reshape(-1)
     B = state["pos"].shape[0]
     if tokens.shape != (B,):
         raise ValueError(f"tokens must have shape [{B}] (one per row), got {tokens.shape}")
     _check_tokens(cfg, tokens)
     _check_capacity(cfg, state, np.ones((B,), np.int32))
-    static = Static(cfg, collect, batch_invariant)
+    static = Static(cfg, collect, batch_invariant, attn_impl)
     out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
                             jnp.ones((B,), jnp.int32), state, None, None,
                             jnp.asarray(compat_stale_index_k), static=static,
@@ -329,7 +347,7 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
 
 def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
             compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
-            return_state: bool = False):
+            return_state: bool = False, attn_impl: str = "auto"):
     """Every position through every layer (the reference's semantics; the oracle).
 
     Returns ``out`` with ``out["all_logits"]`` fp32 [B, S, V] and ``out["final_hidden"]``
@@ -342,5 +360,6 @@ def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
     state = st.init_state(cfg, tokens.shape[0], max(tokens.shape[1], 2))
     out, state = prefill(params, cfg, tokens, state, mode="exact", collect=collect,
                          compat_stale_index_k=compat_stale_index_k,
-                         embeds_override=embeds_override, image_mask=image_mask, all_logits=True)
+                         embeds_override=embeds_override, image_mask=image_mask, all_logits=True,
+                         attn_impl=attn_impl)
     return (out, state) if return_state else out

@@ -25,6 +25,7 @@ import numpy as np
 
 from dsv41_jax import checkpoint, model, quant, state as st
 from dsv41_jax.config import LayerPlan, ModelConfig
+from pallas_kernels.sparse_attention import resolve_impl
 
 
 @dataclasses.dataclass
@@ -105,7 +106,8 @@ def pack_sources(cfg: ModelConfig, state: dict, f, prefix: str) -> dict:
     return dict(state, kv=kvs)
 
 
-def teacher_forced_blocks(cfg, params, f, case: str, layers=None) -> list[Check]:
+def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str = "auto"
+                          ) -> list[Check]:
     """Every block of a ``detail: full`` case run alone on its recorded prefill input."""
     plan = LayerPlan.from_config(cfg)
     ids = f["input_ids"]
@@ -115,7 +117,8 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None) -> list[Check]
     base = pack_sources(cfg, st.init_state(cfg, B, cap), f, "after_prefill")
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     ch = model._make_chunk(cfg, pos, jnp.ones((B, S), bool), jnp.zeros(B, jnp.int32),
-                           jnp.full(B, S, jnp.int32), jnp.zeros(B, jnp.int32), False, False)
+                           jnp.full(B, S, jnp.int32), jnp.zeros(B, jnp.int32), False, False,
+                           resolve_impl(attn_impl))
     image_mask = jnp.asarray(f["prefill.image_mask"]) if "prefill.image_mask" in f.files else None
     engram_ids = {}
     if cfg.engram_layer_ids:
@@ -224,7 +227,8 @@ PREFILL_BUCKET = 64   # prompts are right-padded to this length: one compile per
 CAPACITY = 96         # one state shape (hence one decode compile) for every case
 
 
-def end_to_end(cfg, params, f, case_meta: dict, compat: bool, image=None) -> list[Check]:
+def end_to_end(cfg, params, f, case_meta: dict, compat: bool, image=None,
+               attn_impl: str = "auto") -> list[Check]:
     """Prefill (exact mode, all positions) and teacher-forced decode against the fixture.
 
     Agreement is statistical, as the fixtures' README prescribes for the quantised configs: a
@@ -249,7 +253,8 @@ def end_to_end(cfg, params, f, case_meta: dict, compat: bool, image=None) -> lis
         kw = {"embeds_override": jnp.pad(image["embeds_override"], ((0, 0), (0, pad), (0, 0))),
               "image_mask": jnp.pad(image["image_mask"], ((0, 0), (0, pad)))}
     res, state = model.prefill(params, cfg, padded, state, np.full((B,), S), mode="exact",
-                               all_logits=True, compat_stale_index_k=compat, **kw)
+                               all_logits=True, compat_stale_index_k=compat,
+                               attn_impl=attn_impl, **kw)
     ref, cols, tok, margin = _ref_logits(f, "prefill")
     if ref is not None:
         got = np.asarray(res["all_logits"])[:, :S]
@@ -272,7 +277,8 @@ def end_to_end(cfg, params, f, case_meta: dict, compat: bool, image=None) -> lis
         r2 = [L for L in LayerPlan.from_config(cfg).kv_sources if cfg.compress_ratios[L] > 1]
         for i in range(n_dec):
             res, state = model.decode_step(params, cfg, state, dec_in[i],
-                                           compat_stale_index_k=compat, collect=True)
+                                           compat_stale_index_k=compat, collect=True,
+                                           attn_impl=attn_impl)
             got.append(np.asarray(res["logits"]))
             for L in r2:  # the layers whose keys the compat quirk swaps on even positions
                 ref_rows = f[f"decode.index_topk.L{L}"][i]
@@ -395,13 +401,16 @@ def _cache_checks(cfg, state, f, prefix, name, tie_free_tokens: int) -> list[Che
     return out
 
 
-def run_all(path: str, cases=None, teacher_forced=True, progress=None) -> list[Check]:
-    """Text cases (:func:`run_fixture_dir`) and image cases (:func:`run_vl_cases`)."""
-    checks = run_fixture_dir(path, cases, teacher_forced, progress)
-    return checks + run_vl_cases(path, cases, teacher_forced, progress)
+def run_all(path: str, cases=None, teacher_forced=True, progress=None,
+            attn_impl: str = "auto") -> list[Check]:
+    """Text cases (:func:`run_fixture_dir`) and image cases (:func:`run_vl_cases`), with the
+    sparse attention implementation ``attn_impl`` (see :func:`dsv41_jax.model.prefill`)."""
+    checks = run_fixture_dir(path, cases, teacher_forced, progress, attn_impl)
+    return checks + run_vl_cases(path, cases, teacher_forced, progress, attn_impl)
 
 
-def run_vl_cases(path, cases=None, teacher_forced=True, progress=None) -> list[Check]:
+def run_vl_cases(path, cases=None, teacher_forced=True, progress=None,
+                 attn_impl: str = "auto") -> list[Check]:
     """Image cases: preprocessing + ViT + aligner + span merge vs ``prefill.embed_out``, then
     teacher-forced blocks with the image mask and end-to-end logits (text-only decode)."""
     from PIL import Image
@@ -440,16 +449,17 @@ def run_vl_cases(path, cases=None, teacher_forced=True, progress=None) -> list[C
                             bool((np.abs(got - ref) <= 4 * _ulp_bf16(
                                 np.abs(ref).max(-1, keepdims=True))).all())))
         if teacher_forced and meta.get("detail") == "full":
-            checks += teacher_forced_blocks(cfg, params, f, name)
+            checks += teacher_forced_blocks(cfg, params, f, name, attn_impl=attn_impl)
         image = {"embeds_override": vl["embeds_override"], "image_mask": vl["image_mask"]}
         meta2 = dict(meta, prefill_len=ids.shape[1])
-        checks += end_to_end(cfg, params, f, meta2, False, image=image)
+        checks += end_to_end(cfg, params, f, meta2, False, image=image, attn_impl=attn_impl)
         if progress:
             progress(name)
     return checks
 
 
-def run_fixture_dir(path: str, cases=None, teacher_forced=True, progress=None) -> list[Check]:
+def run_fixture_dir(path: str, cases=None, teacher_forced=True, progress=None,
+                    attn_impl: str = "auto") -> list[Check]:
     """All checks of every case of a fixture directory (or the named ``cases``)."""
     cfg, params, manifest = load_fixture_dir(path)
     checks: list[Check] = []
@@ -463,12 +473,12 @@ def run_fixture_dir(path: str, cases=None, teacher_forced=True, progress=None) -
         if cfg.engram_layer_ids:
             checks += engram_checks(cfg, params, f, meta["name"])
         if teacher_forced and meta.get("detail") == "full":
-            checks += teacher_forced_blocks(cfg, params, f, meta["name"])
-        e2e = end_to_end(cfg, params, f, meta, compat)
+            checks += teacher_forced_blocks(cfg, params, f, meta["name"], attn_impl=attn_impl)
+        e2e = end_to_end(cfg, params, f, meta, compat, attn_impl=attn_impl)
         checks += e2e
         if compat:
             # the switch must matter: the intended semantics match these rows clearly worse
-            other = end_to_end(cfg, params, f, meta, False)
+            other = end_to_end(cfg, params, f, meta, False, attn_impl=attn_impl)
             a = [c.max_rel for c in e2e if "index_topk (ratio" in c.name]
             b = [c.max_rel for c in other if "index_topk (ratio" in c.name]
             if a and b:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from dsv41_jax import checkpoint
 from dsv41_jax.checkpoint import expected_tensors
 from dsv41_jax.config import ModelConfig
 
@@ -97,3 +98,181 @@ def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         out[name] = np.asarray(v, np.float32).astype(dt)
         done.add(name)
     return out
+
+
+# ----------------------------------------------------------------------------- on the device
+
+
+def _device_gens():
+    """Jitted leaf generators (built lazily so that importing this module needs no JAX)."""
+    global _GENS
+    if _GENS is not None:
+        return _GENS
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax import quant
+
+    f32 = jnp.float32
+
+    @functools.partial(jax.jit, static_argnames=("shape", "mean", "std", "absolute", "dtype"))
+    def normal(key, shape, mean, std, absolute, dtype):
+        v = mean + std * jax.random.normal(key, shape, f32)
+        if absolute:
+            v = jnp.abs(v)
+        return v.astype(dtype)
+
+    def _fp8_block_codes(key, lead, o, i, gain):
+        # [.., o, i] fp32 N(0, gain^2 / i) -> e4m3 codes + E8M0 bytes per 32x32 tile
+        w = jax.random.normal(key, (*lead, o, i), f32) * np.float32(gain / np.sqrt(i))
+        go, gi = -(-o // 32), -(-i // 32)
+        pad = [(0, 0)] * len(lead) + [(0, go * 32 - o), (0, gi * 32 - i)]
+        b = jnp.pad(w, pad).reshape(*lead, go, 32, gi, 32)
+        amax = jnp.max(jnp.abs(b), axis=(-3, -1))
+        e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-12) / 448.0))
+        s = jnp.exp2(e)
+        q = jnp.clip(b / s[..., :, None, :, None], -448.0, 448.0).astype(quant.E4M3)
+        q = q.reshape(*lead, go * 32, gi * 32)[..., :o, :i]
+        return q, (e + 127).astype(jnp.uint8)
+
+    @functools.partial(jax.jit, static_argnames=("lead", "o", "i", "gain"))
+    def fp8_block(key, lead, o, i, gain):
+        return _fp8_block_codes(key, lead, o, i, gain)
+
+    @functools.partial(jax.jit, static_argnames=("o", "i", "gain"))
+    def fp8_block_dequant(key, o, i, gain):
+        q, s = _fp8_block_codes(key, (), o, i, gain)
+        return quant.dequant_fp8_weight(q, s)
+
+    @functools.partial(jax.jit, static_argnames=("lead", "o", "i", "gain"))
+    def fp4_rows(key, lead, o, i, gain):
+        # [.., o, i] fp32 N(0, gain^2 / i) -> packed e2m1 [.., o, i/2] + E8M0 [.., o, i/32]
+        w = jax.random.normal(key, (*lead, o, i), f32) * np.float32(gain / np.sqrt(i))
+        codes, scale = quant.fp4_quantize(w, 32, "e8m0")
+        return quant.pack_nibbles(codes), scale
+
+    @functools.partial(jax.jit, static_argnames=("rows", "hd"))
+    def fp8_rows(key, rows, hd):
+        # Engram table: N(0, 1) rows, e4m3 with one E8M0 scale per 32 values of a row
+        v = jax.random.normal(key, (rows, hd // 32, 32), f32)
+        amax = jnp.max(jnp.abs(v), axis=-1)
+        e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-12) / 448.0))
+        q = jnp.clip(v / jnp.exp2(e)[..., None], -448.0, 448.0).astype(quant.E4M3)
+        return q.reshape(rows, hd), (e + 127).astype(jnp.uint8)
+
+    _GENS = dict(normal=normal, fp8_block=fp8_block, fp8_block_dequant=fp8_block_dequant,
+                 fp4_rows=fp4_rows, fp8_rows=fp8_rows)
+    return _GENS
+
+
+_GENS = None
+
+
+def _plain_init(name: str, shape: tuple) -> tuple[float, float, bool]:
+    """``(mean, std, absolute)`` of an unquantised tensor, the rules of :func:`random_tensors`."""
+    if "norm" in name and name.endswith(".weight"):
+        return 1.0, 0.1, False
+    if name.endswith("attn_sink"):
+        return 0.0, 0.5, False
+    if "hc_" in name and name.endswith("_fn"):
+        return 0.0, float(1.0 / np.sqrt(4 * shape[1])), False
+    if "hc_" in name and name.endswith("_base"):
+        return 0.0, 0.5, False
+    if "hc_" in name and name.endswith("_scale"):
+        return 1.0, 0.25, True
+    if name.endswith("gate.bias"):
+        return 0.0, 0.1, False
+    if name in ("embed.weight",) or name.endswith(("q_weight", "k_weight")):
+        return 0.0, 1.0, False
+    return 0.0, float(1.0 / np.sqrt(shape[-1])), False
+
+
+def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) -> dict:
+    """Seeded random parameters built directly on JAX's default device, leaf by leaf.
+
+    Returns the pytree :func:`dsv41_jax.checkpoint.params_from_tensors` returns for
+    ``random_tensors(cfg)`` (same structure, shapes and dtypes; the values come from
+    ``jax.random`` instead of numpy but follow the same recipe: FP8 block-scaled linears and
+    packed FP4 experts whose dequantised values have std ~ gain / sqrt(fan_in), norms
+    1 + N(0, 0.1), mHC heads, sinks and biases as there). Nothing of the model's size is
+    built on the host, so the release dimensions take seconds instead of minutes.
+
+    ``tokenizer_map`` (int [vocab], Engram configs only) is the compressed token map; by
+    default it is built from the tokenizer as :func:`params_from_tensors` does.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.checkpoint import nest
+    from dsv41_jax.config import LayerPlan
+
+    gens = _device_gens()
+    exp = expected_tensors(cfg)
+    plan = LayerPlan.from_config(cfg)
+    root = jax.random.key(seed)
+    counter = iter(range(1 << 30))
+
+    def key():
+        return jax.random.fold_in(root, next(counter))
+
+    flat: dict = {}
+    E = cfg.n_routed_experts
+    for name, (shape, dtypes) in exp.items():
+        base = name.rsplit(".", 1)[0]
+        if name.endswith(".scale") and f"{base}.weight" in exp:
+            continue                                        # made with its weight
+        parts = name.split(".")
+        if len(parts) > 4 and parts[2] == "ffn" and parts[3] == "experts":
+            if parts[4] != "0":
+                continue                                    # all experts made with expert 0
+            w = parts[5]
+            gain = 0.5 if w == "w2" else 1.0
+            stacked = f"layers.{parts[1]}.ffn.experts.{w}"
+            if dtypes == ("uint8",):                        # packed FP4 [o, i/2]
+                o, i = shape[0], shape[1] * 2
+                flat[f"{stacked}.weight"], flat[f"{stacked}.scale"] = gens["fp4_rows"](
+                    key(), (E,), o, i, gain)
+            elif f"{base}.scale" in exp:                    # FP8 block-scaled
+                o, i = shape
+                flat[f"{stacked}.weight"], flat[f"{stacked}.scale"] = gens["fp8_block"](
+                    key(), (E,), o, i, 1.0)
+            else:                                           # bf16 experts
+                flat[f"{stacked}.weight"] = gens["normal"](
+                    key(), (E, *shape), 0.0, float(1.0 / np.sqrt(shape[-1])), False,
+                    jnp.dtype(dtypes[0]))
+            continue
+        if name.endswith(".weight") and f"{base}.scale" in exp:
+            if name.endswith("engram.embed.weight"):
+                flat[name], flat[f"{base}.scale"] = gens["fp8_rows"](key(), shape[0], shape[1])
+            elif name.endswith("attn.wo_a.weight"):         # dequantised at load (spec 2.7)
+                flat[name] = gens["fp8_block_dequant"](key(), shape[0], shape[1], 1.0)
+            else:
+                gain = 2.5 if name.endswith("wo_b.weight") else 1.0
+                flat[name], flat[f"{base}.scale"] = gens["fp8_block"](
+                    key(), (), shape[0], shape[1], gain)
+            continue
+        mean, std, absolute = _plain_init(name, shape)
+        flat[name] = gens["normal"](key(), tuple(shape), mean, std, absolute,
+                                    jnp.dtype(dtypes[0]))
+
+    tree = nest(flat)
+    params: dict = {"embed": tree["embed"], "norm": tree["norm"],
+                    "head": {"weight": tree["head"]["weight"].astype(jnp.float32)}}
+    layers = []
+    for role in plan.roles:
+        lt = tree["layers"][role.layer]
+        lp = {k: v for k, v in lt.items() if k != "ffn"}
+        if role.owns_kv and role.ratio > 1:
+            comp = lp["attn"]["compressor"]
+            for w in ("wkv", "wgate"):
+                comp[w] = {"weight": comp[w]["weight"].astype(jnp.float32)}
+        ffn = lt["ffn"]
+        lp["ffn"] = {"gate": ffn["gate"], "experts": ffn["experts"],
+                     "shared_experts": ffn["shared_experts"]}
+        layers.append(lp)
+    params["layers"] = layers
+    if cfg.engram_layer_ids:
+        params.update(checkpoint.engram_params(cfg, tokenizer_map))
+    return params

@@ -27,13 +27,16 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", default=None, help="only these cases")
     ap.add_argument("--no-teacher-forced", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--attn-impl", default="auto",
+                    help="sparse attention implementation: auto (the platform's Pallas kernel, "
+                         "XLA on CPU), xla, triton, mosaic_tpu, triton_interpret, ...")
     args = ap.parse_args(argv)
     if not os.path.isfile(os.path.join(args.fixture_dir, "manifest.json")):
         print(f"{args.fixture_dir}: no manifest.json (not a fixture directory)", file=sys.stderr)
         return 2
     t0 = time.time()
     checks = parity.run_all(args.fixture_dir, cases=args.case,
-                            teacher_forced=not args.no_teacher_forced,
+                            teacher_forced=not args.no_teacher_forced, attn_impl=args.attn_impl,
                             progress=lambda n: print(f"  ran {n} ({time.time() - t0:.0f}s)",
                                                      file=sys.stderr, flush=True))
     for c in checks:

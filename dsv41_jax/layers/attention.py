@@ -20,10 +20,12 @@ from dsv41_jax.config import LayerRole, ModelConfig
 from dsv41_jax.layers import compressor, indexer
 from dsv41_jax.layers.linear import dequant_weight, linear, rms_norm
 from dsv41_jax.layers.rope import apply_rope, rope_angles
+from pallas_kernels import fp4
+from pallas_kernels.sparse_attention import blocked_sink_softmax
+from pallas_kernels.sparse_attention import sparse_attention as sparse_attention_op
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
-SOFTMAX_BLOCK = 64  # the reference kernel's online-softmax block (spec 3.8)
 
 
 class Chunk(NamedTuple):
@@ -37,6 +39,8 @@ class Chunk(NamedTuple):
     decode: bool                   # S == 1: list the window in ring order (spec 3.3)
     compat_stale_index_k: jax.Array  # bool scalar (traced): the reference's decode index_k quirk
     freqs: dict                    # RoPE frequencies per table kind (numpy fp32)
+    attn_impl: str = "xla"         # sparse attention implementation (pallas_kernels IMPLS)
+    win_width: int = 0             # prefill window-list width (0: W); min(S, W) on a fresh prefill
 
 
 # ----------------------------------------------------------------------------- sparse attention
@@ -50,27 +54,9 @@ def sparse_attention_reference(q: Float[Array, "B S H K"], kv: Float[Array, "B S
     Emulates the reference kernel: online softmax over blocks of 64 list entries in list order,
     running max from -1e30, bf16 probabilities in the PV product (fp32 ones in the
     denominator), the unscaled sink added to the denominator after the loop, bf16 output.
-    A row with no valid entry returns exactly 0.
+    A row with no valid entry returns exactly 0. (The ``attn_impl="xla"`` path of the model.)
     """
-    B, S, N, K = kv.shape
-    s = jnp.einsum("bshk,bsnk->bshn", q, kv, preferred_element_type=F32) * scale
-    s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
-    nb = -(-N // SOFTMAX_BLOCK)
-    pad = nb * SOFTMAX_BLOCK - N
-    if pad:
-        s = jnp.pad(s, ((0, 0),) * 3 + ((0, pad),), constant_values=-jnp.inf)
-        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    sb = s.reshape(B, S, -1, nb, SOFTMAX_BLOCK)
-    m_blk = jax.lax.cummax(jnp.maximum(jnp.max(sb, axis=-1), -1e30), axis=3)   # running max
-    p = jnp.exp(sb - m_blk[..., None])
-    m = m_blk[..., -1]
-    rescale = jnp.exp(m_blk - m[..., None])                                    # [B,S,H,nb]
-    l = jnp.sum(jnp.sum(p, axis=-1) * rescale, axis=-1)
-    pv = jnp.einsum("bshcj,bscjk->bshck", p.astype(BF16),
-                    kv.reshape(B, S, nb, SOFTMAX_BLOCK, K), preferred_element_type=F32)
-    acc = jnp.sum(pv * rescale[..., None], axis=3)
-    l = l + jnp.exp(sink[None, None, :] - m)
-    return (acc / l[..., None]).astype(BF16)
+    return blocked_sink_softmax(q, kv, valid, sink, scale)[0]
 
 
 # ----------------------------------------------------------------------------- window lists
@@ -81,7 +67,8 @@ def window_list(ch: Chunk, W: int) -> tuple[Int[Array, "B S W"], Bool[Array, "B 
 
     Query p sees positions ``max(lo, p-W+1) .. p``. Prefill lists them ascending with the empty
     entries last; decode lists the W ring slots oldest first (empty ones first), as the
-    reference does (spec 3.3).
+    reference does (spec 3.3). A prefill list is ``ch.win_width`` wide when set (the reference's
+    ``min(S, W)`` on a fresh prefill, which places the global entries' 64-blocks as it does).
     """
     p = ch.positions[..., None]                                   # [B,S,1]
     j = jnp.arange(W, dtype=jnp.int32)[None, None, :]
@@ -95,7 +82,10 @@ def window_list(ch: Chunk, W: int) -> tuple[Int[Array, "B S W"], Bool[Array, "B 
         ok = j < nvalid
     p0 = ch.p0[:, None, None]
     idx = jnp.where(q >= p0, W + (q - p0), jnp.mod(q, W))
-    return jnp.where(ok, idx, 0), ok
+    idx, ok = jnp.where(ok, idx, 0), ok
+    if not ch.decode and 0 < ch.win_width < W:
+        idx, ok = idx[..., :ch.win_width], ok[..., :ch.win_width]
+    return idx, ok
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -111,13 +101,16 @@ def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk, s
     # indexer keys come from the un-rotated, un-quantised latent (spec 3.6a)
     ik = rms_norm(linear(lat, p["indexer"]["wk"]), p["indexer"]["k_norm"]["weight"], cfg.norm_eps)
     ik = apply_rope(ik, cos, sin)
-    ik_codes, ik_scale = quant.fp4_quantize(ik, 32, "e8m0")
+    codec = {"triton": "triton", "triton_interpret": "triton_interpret",
+             "mosaic_tpu": "mosaic_tpu", "mosaic_tpu_interpret": "mosaic_tpu_interpret"
+             }.get(ch.attn_impl, "xla")     # FP4 quantise-and-pack kernels (spec 2.6)
+    ik_packed, ik_scale = fp4.quantize_pack(ik.astype(BF16), "index", impl=codec)
     mk = apply_rope(lat, cos, sin)
-    mk_codes, mk_scale = quant.fp4_quantize(mk, 16, "e4m3")
+    mk_packed, mk_scale = fp4.quantize_pack(mk.astype(BF16), "main", impl=codec)
     new = dict(src)
-    new["main"] = st.append_entries(src["main"], quant.pack_nibbles(mk_codes), ids, valid)
+    new["main"] = st.append_entries(src["main"], mk_packed, ids, valid)
     new["main_scale"] = st.append_entries(src["main_scale"], mk_scale, ids, valid)
-    new["index"] = st.append_entries(src["index"], quant.pack_nibbles(ik_codes), ids, valid)
+    new["index"] = st.append_entries(src["index"], ik_packed, ids, valid)
     new["index_scale"] = st.append_entries(src["index_scale"], ik_scale, ids, valid)
     if new_tail is not None:
         new.update(new_tail)
@@ -154,11 +147,8 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     kv = quant.fp8_dequantize(kv_codes, kv_scale, 32, BF16)
     name = f"L{role.layer}"
     ring = state["window"][name]
-    win_all = jnp.concatenate([st.read_ring(ring), kv], axis=1)        # [B, W+S, K]
     widx, wok = window_list(ch, W)
-    rows = [st.gather_entries(win_all, widx)]
-    oks = [wok]
-
+    src = topk = None
     if role.ratio > 0:
         kvname = f"L{role.kv_layer}"
         if role.owns_kv and not skip_kv_update:
@@ -168,14 +158,29 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
         if role.owns_index:
             bus = _index(p, x, qr, role, cfg, ch, state, bus, cos, sin, record)
         topk = bus["topk"]
-        g_rows = st.gather_entries(src["main"], topk)
-        g_scale = st.gather_entries(src["main_scale"], topk)
-        rows.append(st.dequant_main_kv(g_rows, g_scale))
-        oks.append(topk >= 0)
 
-    kv_list = jnp.concatenate(rows, axis=2)
-    ok_list = jnp.concatenate(oks, axis=2) & ch.valid[..., None]
-    o = sparse_attention_reference(q, kv_list, ok_list, p["attn_sink"], K ** -0.5)
+    if ch.attn_impl == "xla":
+        win_all = jnp.concatenate([st.read_ring(ring), kv], axis=1)        # [B, W+S, K]
+        rows, oks = [st.gather_entries(win_all, widx)], [wok]
+        if src is not None:
+            g_rows = st.gather_entries(src["main"], topk)
+            g_scale = st.gather_entries(src["main_scale"], topk)
+            rows.append(st.dequant_main_kv(g_rows, g_scale))
+            oks.append(topk >= 0)
+        kv_list = jnp.concatenate(rows, axis=2)
+        ok_list = jnp.concatenate(oks, axis=2) & ch.valid[..., None]
+        o = sparse_attention_reference(q, kv_list, ok_list, p["attn_sink"], K ** -0.5)
+    else:
+        # kernels read the packed rows themselves: FP8 window rows (ring slots, then the
+        # chunk's rows) and the FP4 main KV, through index lists with -1 = no entry
+        qv = ch.valid[..., None]
+        o, _ = sparse_attention_op(
+            q, jnp.concatenate([ring["kv"], kv_codes], axis=1),
+            jnp.concatenate([ring["scale"], kv_scale], axis=1),
+            jnp.where(wok & qv, widx, -1),
+            None if src is None else src["main"], None if src is None else src["main_scale"],
+            None if src is None else jnp.where(qv, topk, -1),
+            p["attn_sink"].astype(F32), scale=K ** -0.5, impl=ch.attn_impl)
     # output (3.9): inverse RoPE, grouped wo_a, wo_b
     o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
     G = cfg.o_groups

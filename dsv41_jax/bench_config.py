@@ -1,0 +1,152 @@
+"""Benchmark configurations: the release attention and layer layout with cheaper MoE / vocab.
+
+:func:`bench_config` starts from ``configs/flash.json`` and keeps every attention and layout key
+(dim, the 40 layers, heads, head_dim, window, LoRA ranks, ``compress_ratios``, KV / index
+sources, indexer heads and top-k, candidate pool, mHC, RoPE) while it reduces what only costs
+memory or dense-MoE time in a prefill benchmark:
+
+* ``n_routed_experts`` (384 -> 8 by default; our MoE runs every expert densely, so the routed
+  expert count is a pure cost knob; ``n_activated_experts`` stays <= it),
+* ``vocab_size`` (129,280 -> 4096; only the embedding gather and the last-position head),
+* DSpark (MTP) and vision off (they are not part of text prefill),
+* Engram: ``"shrink"`` keeps both Engram layers (1 and 14), their heads, head dim, n-gram size
+  and the ``wkv`` projection, so the per-token compute is the release one, but hashes into
+  tables of ~0.4 M rows instead of ~384 M (a gather's cost does not depend on the table size);
+  the compressed token map is the identity over the reduced vocabulary. ``"drop"`` removes
+  Engram altogether.
+
+:func:`tiny_config` is a few-layer version with small dims for CPU smoke tests that still has
+every layer role (SWA-only, ratio-2 source + Reuse, ratio-1 source = decoder start + candidate
+pool, Reuse, Reindex) and an Engram layer.
+
+:func:`reductions` lists every key that differs from the release config (``release`` vs
+``bench`` value), for the benchmark's printed and JSON output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from dsv41_jax.config import ModelConfig
+
+FLASH_JSON = os.path.join(os.path.dirname(__file__), "..", "configs", "flash.json")
+
+# Keys the bench config must keep from the release config (checked by bench_config).
+ATTENTION_LAYOUT_KEYS = (
+    "dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "window_size", "q_lora_rank",
+    "o_groups", "o_lora_rank", "compress_ratios", "kv_source_layers", "index_source_layers",
+    "index_n_heads", "index_head_dim", "index_topk", "candidate_source_layer",
+    "candidate_topk_blocks", "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+    "rope_theta", "compress_rope_theta", "rope_factor", "original_seq_len", "beta_fast",
+    "beta_slow", "norm_eps", "moe_inter_dim", "dtype", "expert_dtype", "score_func",
+    "route_scale", "swiglu_limit", "n_shared_experts")
+
+
+def load_release_dict(path: str | None = None) -> dict:
+    with open(path or FLASH_JSON) as f:
+        return json.load(f)
+
+
+def _next_prime(after: int) -> int:
+    from dsv41_jax.layers.engram import _next_prime as nxt
+    return nxt(after)
+
+
+def engram_table_rows(n_layers: int, vocab_size: int, max_ngram: int, n_heads: int) -> list[int]:
+    """``engram_num_embeddings`` consistent with :func:`engram.engram_constants`: the sums of
+    consecutive primes above ``vocab_size - 1``, ``(max_ngram - 1) * n_heads`` per layer."""
+    last = vocab_size - 1
+    rows = []
+    for _ in range(n_layers):
+        s = 0
+        for _ in range((max_ngram - 1) * n_heads):
+            last = _next_prime(last)
+            s += last
+        rows.append(s)
+    return rows
+
+
+def identity_token_map(vocab_size: int) -> np.ndarray:
+    """Compressed token map for a reduced vocabulary: every id is its own compressed id."""
+    return np.arange(vocab_size, dtype=np.int32)
+
+
+def _shrink_engram(d: dict, engram: str, engram_vocab_size: int) -> dict:
+    d = dict(d)
+    if engram == "drop" or not d.get("engram_layer_ids"):
+        d.update(engram_layer_ids=[], engram_num_embeddings=[])
+        return d
+    if engram != "shrink":
+        raise ValueError(f"engram must be 'shrink' or 'drop', got {engram!r}")
+    d["engram_vocab_size"] = engram_vocab_size
+    d["engram_compressed_vocab_size"] = d["vocab_size"]     # identity map over the vocab
+    d["engram_num_embeddings"] = engram_table_rows(
+        len(d["engram_layer_ids"]), engram_vocab_size, d["engram_max_ngram_size"],
+        d["engram_n_heads"])
+    return d
+
+
+def _no_extras(d: dict) -> dict:
+    """DSpark (MTP) and vision off; placeholder ids inside the (reduced) vocabulary."""
+    d = dict(d)
+    d.update(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=[],
+             dspark_n_routed_experts=0, dspark_n_activated_experts=0, vision_n_layers=0)
+    v = d["vocab_size"]
+    d["image_token_id"] = min(d.get("image_token_id", v - 1), v - 1)
+    d["dspark_noise_token_id"] = min(d.get("dspark_noise_token_id", 0), v - 1)
+    return d
+
+
+def bench_config(n_routed_experts: int = 8, n_activated_experts: int = 6,
+                 vocab_size: int = 4096, engram: str = "shrink",
+                 engram_vocab_size: int = 16384, release_path: str | None = None
+                 ) -> tuple[ModelConfig, dict]:
+    """``(cfg, release_dict)``: the release config with the reductions of the module docstring.
+
+    Raises ``ValueError`` if the result would change an attention / layout key.
+    """
+    rel = load_release_dict(release_path)
+    d = dict(rel)
+    d["n_routed_experts"] = n_routed_experts
+    d["n_activated_experts"] = min(n_activated_experts, n_routed_experts)
+    d["vocab_size"] = vocab_size
+    d = _no_extras(d)
+    d = _shrink_engram(d, engram, engram_vocab_size)
+    cfg = ModelConfig.from_dict(d)
+    ref = ModelConfig.from_dict(rel)
+    for k in ATTENTION_LAYOUT_KEYS:
+        if getattr(cfg, k) != getattr(ref, k):
+            raise ValueError(f"bench config changed the attention/layout key {k}")
+    return cfg, rel
+
+
+def tiny_config(engram: str = "shrink") -> tuple[ModelConfig, dict]:
+    """A 6-layer, dim-64 config with every layer role, for CPU smoke tests.
+
+    Layers: 0 SWA-only; 1 ratio-2 KV + index source (Full) with Engram; 2 ratio-2 Reuse;
+    3 ratio-1 KV + index source = CED decoder start and candidate-pool source; 4 ratio-1 Reuse;
+    5 ratio-1 Reindex over the candidate pool. Returns ``(cfg, release_dict)``.
+    """
+    rel = load_release_dict()
+    d = dict(rel)
+    d.update(
+        vocab_size=512, dim=64, moe_inter_dim=64, n_layers=6, n_heads=4, n_routed_experts=4,
+        n_activated_experts=2, q_lora_rank=64, head_dim=64, rope_head_dim=32, o_groups=2,
+        o_lora_rank=64, window_size=16, compress_ratios=[0, 2, 2, 1, 1, 1],
+        kv_source_layers=[1, 3], index_source_layers=[1, 3, 5], original_seq_len=256,
+        rope_factor=4, index_n_heads=4, index_head_dim=64, index_topk=8,
+        candidate_source_layer=3, candidate_topk_blocks=4, candidate_block_size=4,
+        engram_layer_ids=[1], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32)
+    d = _no_extras(d)
+    d = _shrink_engram(d, engram, 97)
+    return ModelConfig.from_dict(d), rel
+
+
+def reductions(cfg: ModelConfig, release: dict) -> dict:
+    """``{key: {"release": value, "bench": value}}`` for every key that differs."""
+    ref = ModelConfig.from_dict(release).to_dict()
+    cur = cfg.to_dict()
+    return {k: {"release": ref[k], "bench": cur[k]} for k in cur if cur[k] != ref[k]}

@@ -1,0 +1,185 @@
+"""FP4 codec: e2m1 quantise + nibble pack, and unpack + dequantise (spec 2.6, 2.5).
+
+Two formats (``fmt``), both bit-exact with :mod:`dsv41_jax.quant`:
+
+* ``"main"`` (compressed main KV): one E4M3 scale per 16 values,
+  ``scale = e4m3_RNE_satfinite(max(amax, 6*2^-9) / 6)``; the scale array is float8_e4m3fn.
+* ``"index"`` (indexer q/k, MXFP4): one E8M0 power-of-two scale per 32 values,
+  ``2^ceil(log2(max(amax, 6*2^-126) * fp32(1/6)))``; the scale array holds the uint8 bytes.
+
+Both round ``clamp(x / s, -6, 6)`` to the nearest e2m1 value, ties to the even code, keep the sign
+of zero, and pack two codes per byte: element 2j in the low nibble, 2j+1 in the high nibble.
+
+Implementations (``impl``):
+
+* ``"xla"``: the :mod:`dsv41_jax.quant` functions (``fp4_quantize`` + ``pack_nibbles``,
+  ``unpack_nibbles`` + ``fp4_dequantize``), the reference the kernels are tested against.
+* ``"triton"``: Pallas Triton kernels for NVIDIA GPUs (:mod:`.triton`).
+* ``"mosaic_tpu"``: Pallas Mosaic TPU kernels (:mod:`.tpu`).
+* ``"triton_interpret"`` / ``"mosaic_tpu_interpret"``: the same kernels in Pallas interpret mode
+  (CPU tests).
+* ``"auto"``: ``triton`` on a GPU backend, ``xla`` elsewhere (the Mosaic TPU kernels are
+  interpret-tested only, so they are opt-in).
+
+The kernels never divide and need no fp8 instructions: scales are rounded with integer bit
+arithmetic (:mod:`.codec`), e2m1 codes are decided by the exact comparisons ``|x| <op> b * s``
+of ``quant._e2m1_code``, fp8 scales leave the kernel as uint8 bits. Subnormal inputs follow the
+backend's denormal mode exactly like the ``xla`` reference on the same backend (XLA:CPU flushes
+them, so on CPU a subnormal x gets code 0; on an H200 the Triton kernels matched XLA:GPU on
+subnormal inputs too). A NaN in a block makes the kernels'
+scale NaN ("main", codes 0 with their sign) or the E8M0 byte 0 with an infinite scale ("index"),
+like the eager reference; the jitted reference may drop the NaN in its fused max instead, so NaN
+is outside the bit-exact contract. +-inf is inside it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, BFloat16, UInt8
+
+from dsv41_jax import quant
+from pallas_kernels.fp4.codec import FMT_BLOCK, FMTS
+
+IMPLS = ("auto", "xla", "triton", "mosaic_tpu", "triton_interpret", "mosaic_tpu_interpret")
+# Tuning keywords the kernels take (triton: block_rows, num_warps, num_stages; mosaic_tpu:
+# block_rows). Each implementation ignores the ones it does not use, "xla" all of them.
+TUNING = ("block_rows", "num_warps", "num_stages")
+
+__all__ = ["FMTS", "IMPLS", "TUNING", "block_size", "quantize_pack", "resolve_impl",
+           "unpack_dequantize"]
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+    """The implementation ``impl`` stands for on ``backend``: the rule of
+    :func:`pallas_kernels.sparse_attention.resolve_impl` (``auto``: Triton on GPUs, XLA on CPU
+    and TPU, where the Mosaic kernels are opt-in). Raises ``ValueError`` for an unknown name.
+    """
+    from pallas_kernels.sparse_attention import resolve_impl as resolve
+    return resolve(impl, backend)
+
+
+def block_size(fmt: str) -> int:
+    """Values per scale: 16 for ``"main"``, 32 for ``"index"``. ``ValueError`` otherwise."""
+    if fmt not in FMTS:
+        raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
+    return FMT_BLOCK[fmt][0]
+
+
+def _check_tuning(tuning: dict) -> None:
+    bad = sorted(set(tuning) - set(TUNING))
+    if bad:
+        raise ValueError(f"tuning: unknown keyword(s) {bad}; known: {TUNING}")
+
+
+def _kernel_module(impl: str):
+    if impl.startswith("triton"):
+        from pallas_kernels.fp4 import triton as kernel
+    else:
+        from pallas_kernels.fp4 import tpu as kernel
+    return kernel
+
+
+def _kernel_tuning(impl: str, tuning: dict) -> dict:
+    return {k: v for k, v in tuning.items() if k in _kernel_module(impl).TUNING}
+
+
+def quantize_pack(x: BFloat16[Array, "... K"], fmt: str, *, impl: str = "auto", **tuning
+                  ) -> tuple[UInt8[Array, "... K2"], jax.Array]:
+    """FP4-quantise ``x`` and pack two e2m1 codes per byte.
+
+    Args:
+      x: bf16 [..., K], any leading dims, K a multiple of 32.
+      fmt: ``"main"`` (E4M3 scale per 16) or ``"index"`` (E8M0 scale per 32).
+      impl: see the module docstring.
+      tuning: kernel block parameters (``block_rows``; Triton also ``num_warps``,
+        ``num_stages``).
+
+    Returns:
+      ``(packed, scale)``: packed uint8 [..., K/2] (element 2j in the low nibble); scale
+      float8_e4m3fn [..., K/16] for ``"main"``, uint8 E8M0 bytes [..., K/32] for ``"index"``.
+      Bit for bit ``quant.pack_nibbles(codes), scale`` of ``quant.fp4_quantize(x, block, fmt)``.
+
+    Raises:
+      ValueError: unknown ``fmt`` / ``impl`` / tuning keyword, ``x`` not bf16, K not a multiple
+      of 32.
+    """
+    block = block_size(fmt)
+    impl = resolve_impl(impl)
+    _check_tuning(tuning)
+    if x.ndim < 1 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(f"x: expected bf16 [..., K], got {x.dtype} {tuple(x.shape)}")
+    k = x.shape[-1]
+    if k % 32 or k == 0:
+        raise ValueError(f"x: K = {k} (last dim) must be a positive multiple of 32")
+    scale_fmt = FMT_BLOCK[fmt][1]
+    if impl == "xla":
+        codes, scale = quant.fp4_quantize(x, block, scale_fmt)
+        return quant.pack_nibbles(codes), scale
+    lead = x.shape[:-1]
+    n = x.size // k
+    if n == 0:
+        packed = jnp.zeros((*lead, k // 2), jnp.uint8)
+        sbytes = jnp.zeros((*lead, k // block), jnp.uint8)
+    else:
+        words = jax.lax.bitcast_convert_type(x.reshape(n, k // 2, 2), jnp.int32)
+        kernel = _kernel_module(impl)
+        packed, sbytes = kernel.quantize_words(words, fmt, interpret=impl.endswith("interpret"),
+                                               **_kernel_tuning(impl, tuning))
+        packed = packed.reshape(*lead, k // 2)
+        sbytes = sbytes.reshape(*lead, k // block)
+    if scale_fmt == "e4m3":
+        return packed, jax.lax.bitcast_convert_type(sbytes, jnp.float8_e4m3fn)
+    return packed, sbytes
+
+
+def unpack_dequantize(packed: UInt8[Array, "... K2"], scale: jax.Array, fmt: str, *,
+                      impl: str = "auto", dtype=jnp.bfloat16, **tuning) -> jax.Array:
+    """Unpack two e2m1 codes per byte and multiply by the block scales (exact).
+
+    Args:
+      packed: uint8 [..., K/2] (element 2j in the low nibble), K a multiple of 32.
+      scale: float8_e4m3fn [..., K/16] for ``"main"``, uint8 E8M0 bytes [..., K/32] for
+        ``"index"``.
+      fmt, impl, tuning: as in :func:`quantize_pack`.
+      dtype: output dtype (bf16 default; every value is exact in bf16).
+
+    Returns:
+      ``dtype`` [..., K], bit for bit
+      ``quant.fp4_dequantize(quant.unpack_nibbles(packed), scale, block, dtype)``.
+
+    Raises:
+      ValueError: unknown ``fmt`` / ``impl`` / tuning keyword, a shape or dtype that does not
+      match the layout above.
+    """
+    block = block_size(fmt)
+    impl = resolve_impl(impl)
+    _check_tuning(tuning)
+    if packed.ndim < 1 or jnp.dtype(packed.dtype) != jnp.dtype(jnp.uint8):
+        raise ValueError(f"packed: expected uint8 [..., K/2], got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    k = packed.shape[-1] * 2
+    if k % 32 or k == 0:
+        raise ValueError(f"packed: K = 2 * {packed.shape[-1]} must be a positive multiple of 32")
+    scale_dtype = jnp.float8_e4m3fn if fmt == "main" else jnp.uint8
+    if (jnp.dtype(scale.dtype) != jnp.dtype(scale_dtype)
+            or tuple(scale.shape) != (*packed.shape[:-1], k // block)):
+        raise ValueError(f"scale: expected {jnp.dtype(scale_dtype).name} "
+                         f"{(*packed.shape[:-1], k // block)}, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+    if impl == "xla":
+        return quant.fp4_dequantize(quant.unpack_nibbles(packed), scale, block, dtype)
+    lead = packed.shape[:-1]
+    n = packed.size // (k // 2)
+    if n == 0:
+        return jnp.zeros((*lead, k), dtype)
+    sbytes = scale if fmt == "index" else jax.lax.bitcast_convert_type(scale, jnp.uint8)
+    words_out = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    kernel = _kernel_module(impl)
+    out = kernel.dequantize_words(packed.reshape(n, k // 2), sbytes.reshape(n, k // block), fmt,
+                                  words_out=words_out, interpret=impl.endswith("interpret"),
+                                  **_kernel_tuning(impl, tuning))
+    if words_out:
+        return jax.lax.bitcast_convert_type(out, jnp.bfloat16).reshape(*lead, k)
+    even, odd = out
+    return jnp.stack([even, odd], axis=-1).reshape(*lead, k).astype(dtype)

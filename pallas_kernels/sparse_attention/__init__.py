@@ -1,0 +1,122 @@
+"""CSA2 sparse attention over the FP8 window rows and the packed FP4 main KV (spec 3.8).
+
+One public op, :func:`sparse_attention`, with several implementations behind ``impl``:
+
+* ``"xla"``: :func:`reference.sparse_attention_xla`, plain XLA (gather, dequantise, softmax);
+  the pure-jnp reference every kernel is tested against, and the fallback everywhere.
+* ``"triton"``: Pallas Triton kernel for NVIDIA GPUs (``triton.py``); FP8/FP4 rows are gathered
+  and dequantised in the kernel, no bf16 copy of the KV is written to HBM.
+* ``"mosaic_tpu"``: Pallas Mosaic TPU kernel (``tpu.py``): the index lists are prefetched to
+  scalar memory and drive one row DMA per entry.
+* ``"triton_interpret"`` / ``"mosaic_tpu_interpret"``: the same kernels in Pallas interpret
+  mode (CPU tests).
+* ``"auto"``: ``triton`` on GPU for calls of >= 256 query rows, ``xla`` otherwise
+  (see :func:`resolve_impl`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.sparse_attention.reference import (SOFTMAX_BLOCK, blocked_sink_softmax,
+                                                       dequant_main, dequant_window, pad_list,
+                                                       sparse_attention_xla)
+
+IMPLS = ("auto", "xla", "triton", "mosaic_tpu", "triton_interpret", "mosaic_tpu_interpret")
+
+__all__ = ["IMPLS", "SOFTMAX_BLOCK", "TRITON_MIN_ROWS", "blocked_sink_softmax", "dequant_main", "dequant_window",
+           "pad_list", "resolve_impl", "sparse_attention", "sparse_attention_xla"]
+
+
+TRITON_MIN_ROWS = 256  # measured on the H200: below this the XLA path is as fast (docs)
+
+
+def resolve_impl(impl: str, backend: str | None = None, rows: int | None = None) -> str:
+    """The implementation ``impl`` stands for on ``backend`` (default: JAX's default backend)
+    for a call with ``rows = B * S`` query rows (None: unknown).
+
+    ``"auto"`` picks ``triton`` on GPUs for calls of at least :data:`TRITON_MIN_ROWS` query rows
+    (prefill chunks, large decode batches), where the H200 measurements put it ahead of XLA
+    and it avoids the O(rows * list * K) gathered copy; ``xla`` for smaller calls, on CPU, and
+    on TPU (the Mosaic TPU kernel is tested in interpret mode only, so it is opt-in).
+    Raises ``ValueError`` for an unknown name.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    if backend in ("gpu", "cuda") and (rows is None or rows >= TRITON_MIN_ROWS):
+        return "triton"
+    return "xla"
+
+
+def _check(name, x, shape, dtype):
+    if x.ndim != len(shape) or any(s is not None and a != s for a, s in zip(x.shape, shape)):
+        raise ValueError(f"{name}: expected shape {tuple('?' if s is None else s for s in shape)},"
+                         f" got {tuple(x.shape)}")
+    if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"{name}: expected dtype {jnp.dtype(dtype).name}, got {x.dtype}")
+
+
+def sparse_attention(q: Float[Array, "B S H K"], win_kv, win_scale, win_idx: Int[Array, "B S Ww"],
+                     main=None, main_scale=None, topk: Int[Array, "B S k"] | None = None,
+                     sink: Float[Array, "H"] | None = None, *, scale: float | None = None,
+                     impl: str = "auto", **tuning
+                     ) -> tuple[Float[Array, "B S H K"], Float[Array, "B S H"]]:
+    """Joint sink softmax of each query over its window list and its global (top-k) list.
+
+    Args:
+      q: bf16 [B, S, H, K] queries (K = 512 in the release model; a multiple of 32 for
+        ``xla``, a power of two >= 64 for ``triton``, a multiple of 128 for ``mosaic_tpu``).
+      win_kv: float8_e4m3fn [B, Nw, K] window rows: the SWA ring slots, then the chunk's rows.
+      win_scale: uint8 [B, Nw, K/32] E8M0 scale bytes (value = e4m3 * 2**(byte - 127)).
+      win_idx: int32 [B, S, Ww] rows of ``win_kv`` per query, -1 = no entry.
+      main: uint8 [B, T, K/2] packed e2m1 main KV (element 2j in the low nibble).
+      main_scale: float8_e4m3fn [B, T, K/16] per-16 scales of ``main``.
+      topk: int32 [B, S, k] entries of ``main`` per query, -1 = no entry; None for SWA-only.
+      sink: fp32 [H] attention-sink logits (unscaled).
+      scale: softmax scale (default ``K ** -0.5``).
+      impl: see the module docstring. ``tuning`` goes to the kernel (block sizes, splits).
+
+    Returns:
+      ``(o, lse)``: o bf16 [B, S, H, K]; lse fp32 [B, S, H] = log(sum_j e^{s_j} + e^{sink_h}).
+
+    Raises:
+      ValueError: a shape or dtype that does not match the layout above, an unknown impl.
+
+    Spec 3.8; the list order and blocking are described in :mod:`.reference`.
+    """
+    B, S, H, K = q.shape
+    _check("q", q, (B, S, H, K), jnp.bfloat16)
+    if K % 32:
+        raise ValueError(f"q: head dim {K} must be a multiple of 32")
+    _check("win_kv", win_kv, (B, None, K), jnp.float8_e4m3fn)
+    _check("win_scale", win_scale, (B, win_kv.shape[1], K // 32), jnp.uint8)
+    _check("win_idx", win_idx, (B, S, None), jnp.int32)
+    if sink is None:
+        raise ValueError("sink: the attention-sink logits [H] are required")
+    _check("sink", sink, (H,), jnp.float32)
+    if topk is not None:
+        _check("topk", topk, (B, S, None), jnp.int32)
+        if main is None or main_scale is None:
+            raise ValueError("main, main_scale: required when topk is given")
+        _check("main", main, (B, None, K // 2), jnp.uint8)
+        _check("main_scale", main_scale, (B, main.shape[1], K // 16), jnp.float8_e4m3fn)
+        if topk.shape[-1] == 0:
+            topk = None
+    scale = K ** -0.5 if scale is None else float(scale)
+    impl = resolve_impl(impl, rows=B * S)
+    if impl == "xla":
+        return sparse_attention_xla(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink,
+                                    scale)
+    if impl in ("triton", "triton_interpret"):
+        from pallas_kernels.sparse_attention import triton as kernel
+        return kernel.sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk,
+                                       sink, scale, interpret=impl.endswith("interpret"),
+                                       **tuning)
+    from pallas_kernels.sparse_attention import tpu as kernel
+    return kernel.sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink,
+                                   scale, interpret=impl.endswith("interpret"), **tuning)

@@ -1,0 +1,374 @@
+"""Benchmark (and check) the Pallas kernels against the XLA path on the current device.
+
+Real dimensions of the release model: 64 heads, latent 512, window 128, top-k 512. Rows:
+
+* sparse decode attention at batch 1, 8, 64, 256 with 4K and 64K global entries;
+* sparse prefill attention at 4096 queries (one sequence; window rows from the chunk);
+* FP4 quantise-and-pack of main KV and indexer K (GB/s);
+* the XLA indexer scoring + top-k of one decode step over the whole context (for scale).
+
+Every row gives microseconds, TFLOP/s, effective GB/s (bytes the op must touch: queries, the
+gathered packed rows, outputs), the ratio to the XLA path measured in the same run, and the
+fraction of the roofline, from the copy bandwidth and bf16 matmul rate measured in the same run.
+Each timing is the median over several repetitions of a jit that runs the op ``--inner`` times
+on distinct inputs, so launch overhead is amortised the way a model step amortises it.
+
+    python scripts/bench_kernels.py --out bench_kernels.json            # benchmark
+    python scripts/bench_kernels.py --check                             # correctness only
+    python scripts/bench_kernels.py --quick                             # fewer rows (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import dsv41_jax  # noqa: E402,F401  (XLA numerics flag)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dsv41_jax import quant  # noqa: E402
+from pallas_kernels import sparse_attention as sa  # noqa: E402
+
+H, K, W, TOPK = 64, 512, 128, 512
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_inputs(key, B: int, S: int, T: int, *, prefill: bool):
+    """Random packed inputs in the state's layout (see ``sparse_attention``'s docstring).
+
+    Decode: the window list is the W ring slots (Nw = W + 1 rows: ring + the new row).
+    Prefill (B = 1): query s sees chunk rows max(0, s-127) .. s (Nw = W + S rows).
+    Top-k: ``TOPK`` sorted random entries of T (distinct per query), or -1 when T < TOPK.
+    """
+    ks = jax.random.split(key, 6)
+    q = jax.random.normal(ks[0], (B, S, H, K), F32).astype(BF16)
+    Nw = W + (S if prefill else 1)
+    win = jax.random.normal(ks[1], (B, Nw, K), F32)
+    win_kv, win_scale = quant.fp8_quantize(win, 32)
+    # packed FP4 main KV straight from random bits (every byte is two valid e2m1 codes);
+    # scales: positive normal e4m3 values between 2^-3 and 2^1
+    main = jax.random.bits(ks[2], (B, T, K // 2), jnp.uint8)
+    sbits = jax.random.randint(ks[5], (B, T, K // 16), 0x20, 0x48).astype(jnp.uint8)
+    main_scale = jax.lax.bitcast_convert_type(sbits, jnp.float8_e4m3fn)
+    if prefill:
+        s = jnp.arange(S)[:, None]
+        j = jnp.arange(W)[None, :]
+        pos = s - W + 1 + j
+        widx = jnp.where(pos >= 0, W + pos, -1)[None].astype(jnp.int32)
+    else:
+        widx = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, S, W))
+    k = min(TOPK, T)
+    r = jax.random.uniform(ks[3], (B, S, T))
+    topk = jnp.sort(jax.lax.top_k(r, k)[1].astype(jnp.int32), axis=-1)
+    sink = jax.random.normal(ks[4], (H,), F32)
+    return q, win_kv, win_scale, widx, main, main_scale, topk, sink
+
+
+def op_cost(B, S, T):
+    """(flops, bytes) of one call: 4*K flops per (query, head, listed entry); bytes of the
+    queries + outputs + the packed rows each query gathers (window FP8, main KV FP4)."""
+    n = W + min(TOPK, T)
+    flops = 4.0 * B * S * H * n * K
+    row_w = K + K // 32
+    row_g = K // 2 + K // 16
+    byts = B * S * (2 * H * K * 2 + W * row_w + min(TOPK, T) * row_g)
+    return flops, byts
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_fn(fn, args_list, reps: int) -> float:
+    """Median seconds per op call: ``fn`` is jitted over the whole list of argument tuples."""
+    @jax.jit
+    def many(all_args):
+        return [fn(*a) for a in all_args]
+    out = many(args_list)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(args_list))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / len(args_list)
+
+
+def roofline(reps: int) -> dict:
+    """Copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s) of this device."""
+    x = jnp.ones((1 << 29,), BF16)                           # 1 GiB
+    t = time_fn(lambda a: a + jnp.asarray(1, BF16), [(x,)], reps)
+    bw = 2 * x.size * 2 / t / 1e9
+    n = 8192
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), F32).astype(BF16)
+    mats = [(a + jnp.asarray(i, BF16), a) for i in range(4)]
+    t = time_fn(lambda p, q: jnp.dot(p, q, preferred_element_type=F32), mats, reps)
+    return {"copy_GBps": bw, "bf16_matmul_TFLOPs": 2 * n ** 3 / t / 1e12}
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def attn_row(name, B, S, T, *, prefill, impls, tunings, inner, reps, roof, key):
+    flops, byts = op_cost(B, S, T)
+    # distinct inputs per call, enough that the calls of one timed jit do not hit in L2
+    n_in = int(min(64, max(inner if B * S < 4096 else 2, -(-256e6 // byts))))
+    sets = [make_inputs(jax.random.fold_in(key, i), B, S, T, prefill=prefill)
+            for i in range(n_in)]
+    res = {"name": name, "B": B, "S": S, "T": T, "flops": flops, "bytes": byts, "impls": {}}
+    for impl in impls:
+        for tune in (tunings if impl == "triton" else [{}]):
+            label = impl + ("" if not tune else " " + ",".join(f"{k}={v}"
+                                                               for k, v in tune.items()))
+            try:
+                fn = (lambda *a, impl=impl, tune=tune:
+                      sa.sparse_attention(*a, impl=impl, **tune)[0])
+                t = time_fn(fn, sets, reps)
+            except Exception as e:  # noqa: BLE001 (report and go on: a config may not fit)
+                res["impls"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"  {name} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            tmin = max(flops / (roof["bf16_matmul_TFLOPs"] * 1e12), byts / (roof["copy_GBps"]
+                                                                            * 1e9))
+            res["impls"][label] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12,
+                                   "GBps": byts / t / 1e9, "roofline_frac": tmin / t}
+            print(f"  {name:28s} {label:44s} {t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOP/s "
+                  f"{byts / t / 1e9:7.0f} GB/s  roofline {tmin / t:5.2f}", flush=True)
+    ok = {k: v for k, v in res["impls"].items() if "us" in v}
+    kern = {k: v for k, v in ok.items() if not k.startswith("xla")}
+    if kern and "xla" in ok:
+        best = min(kern, key=lambda k: kern[k]["us"])
+        res["best"] = best
+        res["speedup_vs_xla"] = ok["xla"]["us"] / kern[best]["us"]
+    elif kern:
+        res["best"] = min(kern, key=lambda k: kern[k]["us"])
+    return res
+
+
+def fp4_rows(impls, inner, reps, roof, key):
+    try:
+        from pallas_kernels import fp4
+    except ImportError:
+        return []
+    rows = []
+    for fmt, dim in (("main", 512), ("index", 128)):
+        n = (1 << 28) // dim            # 256M values = 512 MiB of bf16 input
+        x = jax.random.normal(key, (n, dim), F32).astype(BF16)
+        sets = [(x + jnp.asarray(i, BF16),) for i in range(2)]
+        blk = 16 if fmt == "main" else 32
+        byts = n * dim * 2 + n * dim // 2 + n * dim // blk
+        res = {"name": f"fp4 quantize+pack {fmt}", "rows": n, "dim": dim, "bytes": byts,
+               "impls": {}}
+        for impl in impls:
+            try:
+                t = time_fn(lambda a, impl=impl: fp4.quantize_pack(a, fmt, impl=impl), sets, reps)
+            except Exception as e:  # noqa: BLE001
+                res["impls"][impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"  fp4 {fmt} {impl}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            res["impls"][impl] = {"us": t * 1e6, "GBps": byts / t / 1e9,
+                                  "roofline_frac": byts / t / 1e9 / roof["copy_GBps"]}
+            print(f"  fp4 quantize+pack {fmt:5s} {impl:10s} {t * 1e6:9.1f} us "
+                  f"{byts / t / 1e9:7.0f} GB/s", flush=True)
+        ok = {k: v for k, v in res["impls"].items() if "us" in v}
+        if "xla" in ok and len(ok) > 1:
+            best = min((k for k in ok if k != "xla"), key=lambda k: ok[k]["us"])
+            res["best"], res["speedup_vs_xla"] = best, ok["xla"]["us"] / ok[best]["us"]
+        rows.append(res)
+    return rows
+
+
+def indexer_rows(inner, reps, key):
+    """XLA indexer scoring + top-k of one decode step over T entries (32 heads x 128)."""
+    from dsv41_jax.layers import indexer
+    rows = []
+    for B, T in ((8, 32768), (64, 32768), (8, 65536)):
+        ks = jax.random.split(key, 3)
+        q = jax.random.normal(ks[0], (B, 1, 32, 128), F32).astype(BF16)
+        w = jax.random.normal(ks[1], (B, 1, 32), F32).astype(BF16)
+        k = jax.random.normal(ks[2], (B, T, 128), F32).astype(BF16)
+        vis = jnp.full((B, 1), T, jnp.int32)
+
+        def fn(q, w, k, vis):
+            return indexer.select_topk(indexer.index_scores(q, w, k, vis), TOPK)
+        sets = [(q + jnp.asarray(i, BF16), w, k, vis) for i in range(max(2, inner // 2))]
+        t = time_fn(fn, sets, reps)
+        flops = 2.0 * B * 32 * T * 128
+        rows.append({"name": f"indexer decode B={B} T={T}", "us": t * 1e6,
+                     "TFLOPs": flops / t / 1e12})
+        print(f"  indexer (XLA) decode B={B:3d} T={T:6d}   {t * 1e6:9.1f} us "
+              f"{flops / t / 1e12:7.1f} TFLOP/s", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def check(key, impls) -> list[dict]:
+    """Kernel outputs against the XLA path on real-size inputs (prints and returns rows)."""
+    out = []
+    cases = [("decode B=8 T=4096", 8, 1, 4096, False, {}),
+             ("decode B=8 T=300 (short top-k)", 8, 1, 300, False, {}),
+             ("decode B=64 T=65536 split", 64, 1, 65536, False, {"n_splits": 4}),
+             ("decode B=4 S=3 T=4096", 4, 3, 4096, False, {"n_splits": 1}),
+             ("prefill S=512 T=1024", 1, 512, 1024, True, {})]
+    for name, B, S, T, prefill, tune in cases:
+        args = make_inputs(key, B, S, T, prefill=prefill)
+        if True:  # the first query has nothing to attend to: o must be exactly 0
+            widx, topk = args[3], args[6]
+            args = (*args[:3], widx.at[0, 0].set(-1), *args[4:6], topk.at[0, 0].set(-1),
+                    args[7])
+        o0, l0 = sa.sparse_attention(*args, impl="xla")
+        o0 = np.asarray(o0, np.float32)
+        rows = jnp.concatenate([sa.dequant_window(args[1], args[2]).reshape(-1, K),
+                                sa.dequant_main(args[4][:, :256], args[5][:, :256]).reshape(-1, K)])
+        rms = float(jnp.sqrt(jnp.mean(jnp.square(rows.astype(F32)))))
+        for impl in impls:
+            if impl == "xla":
+                continue
+            try:
+                o1, l1 = sa.sparse_attention(*args, impl=impl, **(tune if impl == "triton"
+                                                                    else {}))
+            except Exception as e:  # noqa: BLE001
+                out.append({"case": name, "impl": impl, "ok": False, "error": str(e)[:400]})
+                print(f"FAIL {name} {impl}: {e}", flush=True)
+                continue
+            o1 = np.asarray(o1, np.float32)
+            d = np.abs(o1 - o0)
+            # bf16 reordering tolerance: 2 ulps of the value, plus one bf16(P) rounding
+            # (2^-8 relative) of the rows it averages (rms of the dequantised rows)
+            tol = 2 * np.maximum(np.abs(o0), 2.0 ** -30) * 2.0 ** -7 + 2.0 ** -8 * rms
+            lse_d = float(np.abs(np.asarray(l1) - np.asarray(l0)).max())
+            ok = bool((d <= tol).all() and lse_d < 1e-3 and (o1[0, 0] == 0).all())
+            row = {"case": name, "impl": impl, "ok": ok, "max_abs": float(d.max()),
+                   "bitwise_equal_frac": float((d == 0).mean()),
+                   "within_tol_frac": float((d <= tol).mean()), "lse_max_abs": lse_d}
+            out.append(row)
+            print(f"{'ok  ' if ok else 'FAIL'} {name:34s} {impl:8s} max|d|={d.max():.3g} "
+                  f"bitwise={row['bitwise_equal_frac']:.4f} in-tol={row['within_tol_frac']:.5f}"
+                  f" lse|d|={lse_d:.2g}", flush=True)
+    try:
+        from pallas_kernels import fp4
+    except ImportError:
+        return out
+    for fmt in ("main", "index"):
+        x = (jax.random.normal(key, (4096, 512), F32) * jnp.exp(
+            jax.random.normal(jax.random.fold_in(key, 1), (4096, 1)) * 4)).astype(BF16)
+        ref = fp4.quantize_pack(x, fmt, impl="xla")
+        for impl in impls:
+            if impl == "xla":
+                continue
+            try:
+                got = fp4.quantize_pack(x, fmt, impl=impl)
+                u8 = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))  # noqa
+                ok = all(np.array_equal(u8(a), u8(b)) for a, b in zip(got, ref))
+                back = fp4.unpack_dequantize(*got, fmt, impl=impl)
+                ok = ok and np.array_equal(np.asarray(back, np.float32), np.asarray(
+                    fp4.unpack_dequantize(*ref, fmt, impl="xla"), np.float32))
+            except Exception as e:  # noqa: BLE001
+                ok = False
+                print(f"FAIL fp4 {fmt} {impl}: {e}", flush=True)
+            out.append({"case": f"fp4 {fmt}", "impl": impl, "ok": ok})
+            print(f"{'ok  ' if ok else 'FAIL'} fp4 quantize_pack/unpack {fmt:5s} {impl} bitwise",
+                  flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench_kernels.json")
+    ap.add_argument("--check", action="store_true", help="correctness only")
+    ap.add_argument("--quick", action="store_true", help="a few rows, no tuning sweep")
+    ap.add_argument("--impls", default=None, help="comma list (default: xla + the platform's)")
+    ap.add_argument("--inner", type=int, default=8, help="op calls per timed jit")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="sweep Triton tunings per row")
+    ap.add_argument("--rows", default=None, help="only these decode rows, e.g. 'B=8 T=4096;B=256 T=4096'")
+    ap.add_argument("--no-prefill", action="store_true")
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    plat = sa.resolve_impl("auto")
+    impls = args.impls.split(",") if args.impls else (["xla"] + ([plat] if plat != "xla" else []))
+    key = jax.random.PRNGKey(0)
+    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, impls {impls}",
+          flush=True)
+    result = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+              "dims": {"heads": H, "latent": K, "window": W, "topk": TOPK}}
+    result["check"] = check(key, impls)
+    bad = [c for c in result["check"] if not c["ok"]]
+    if args.check:
+        _write(args.out, result)
+        print(f"{len(result['check']) - len(bad)} checks passed, {len(bad)} failed")
+        return 1 if bad else 0
+    roof = roofline(args.reps)
+    result["roofline"] = roof
+    print(f"roofline: copy {roof['copy_GBps']:.0f} GB/s, bf16 matmul "
+          f"{roof['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    def tunings_for(rows_q: int):
+        """Default tuning first; with --sweep also a grid suited to the row count."""
+        if not args.sweep:
+            return [{}]
+        if rows_q <= 8:   # few programs: split the list (flash-decoding)
+            grid = [{"block_h": 64, "n_splits": sp, "num_warps": nw}
+                    for sp in (2, 4, 8, 16) for nw in (4, 8)]
+            grid += [{"block_h": 32, "n_splits": sp, "num_warps": 8} for sp in (4, 8)]
+        else:
+            grid = [{"block_h": bh, "n_splits": 1, "num_warps": nw, "num_stages": ns}
+                    for bh in (32, 64) for nw in (4, 8) for ns in (1, 2)]
+        return [{}] + grid
+    decode = [(1, 4096), (8, 4096), (64, 4096), (256, 4096), (1, 65536), (8, 65536),
+              (64, 65536), (256, 65536)]
+    if args.rows:
+        decode = [d for d in decode if f"B={d[0]} T={d[1]}" in args.rows.split(";")]
+    if args.quick:
+        decode = [(8, 4096), (64, 4096)]
+    rows = []
+    for B, T in decode:
+        rows.append(attn_row(f"decode B={B} T={T}", B, 1, T, prefill=False, impls=impls,
+                             tunings=tunings_for(B), inner=args.inner, reps=args.reps, roof=roof,
+                             key=key))
+        _write(args.out, dict(result, attention=rows))
+    for S, T in ([] if args.no_prefill else [(4096, 4096)] if not args.quick
+                 else [(1024, 1024)]):
+        rows.append(attn_row(f"prefill S={S} T={T}", 1, S, T, prefill=True, impls=impls,
+                             tunings=tunings_for(S), inner=args.inner, reps=args.reps, roof=roof,
+                             key=key))
+        _write(args.out, dict(result, attention=rows))
+    result["attention"] = rows
+    fp4_impls = ["xla"] + (["triton" if plat == "triton" else plat] if plat != "xla" else [])
+    result["fp4"] = fp4_rows(fp4_impls, args.inner, args.reps, roof, key)
+    result["indexer"] = [] if args.quick else indexer_rows(args.inner, args.reps, key)
+    _write(args.out, result)
+    print("\n| row | best impl | us | TFLOP/s | GB/s | x XLA | roofline |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows + result["fp4"]:
+        best = r.get("best")
+        if best is None:
+            continue
+        v = r["impls"][best]
+        print(f"| {r['name']} | {best} | {v['us']:.1f} | {v.get('TFLOPs', float('nan')):.1f} | "
+              f"{v['GBps']:.0f} | {r.get('speedup_vs_xla', float('nan')):.1f} | "
+              f"{v['roofline_frac']:.2f} |")
+    return 1 if bad else 0
+
+
+def _write(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
