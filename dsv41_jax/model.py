@@ -282,7 +282,7 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         bitwise that of a batch of one (slower for large batches).
       attn_impl: kernel family (``pallas_kernels.sparse_attention.IMPLS``) for the sparse
         attention and the FP4 state writes: ``"auto"`` picks the Triton kernels on GPU for
-        calls of >= 256 query rows and the XLA path otherwise (CPU, TPU, small decode
+        calls of >= 64 query rows and the XLA path otherwise (CPU, TPU, small decode
         batches); ``"xla"``, ``"triton"``, ``"mosaic_tpu"`` (and their ``*_interpret``
         variants) force one.
 

@@ -214,14 +214,17 @@ def indexer_rows(inner, reps, key):
 # ----------------------------------------------------------------------------- check
 
 
-def check(key, impls) -> list[dict]:
-    """Kernel outputs against the XLA path on real-size inputs (prints and returns rows)."""
+def check(key, impls, only=None) -> list[dict]:
+    """Kernel outputs against the XLA path on real-size inputs (prints and returns rows);
+    ``only``: case-name prefixes to run (default all)."""
     out = []
     cases = [("decode B=8 T=4096", 8, 1, 4096, False, {}),
              ("decode B=8 T=300 (short top-k)", 8, 1, 300, False, {}),
              ("decode B=64 T=65536 split", 64, 1, 65536, False, {"n_splits": 4}),
              ("decode B=4 S=3 T=4096", 4, 3, 4096, False, {"n_splits": 1}),
              ("prefill S=512 T=1024", 1, 512, 1024, True, {})]
+    if only:
+        cases = [c for c in cases if any(c[0].startswith(o) for o in only)]
     for name, B, S, T, prefill, tune in cases:
         args = make_inputs(key, B, S, T, prefill=prefill)
         if True:  # the first query has nothing to attend to: o must be exactly 0
@@ -298,6 +301,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep Triton tunings per row")
     ap.add_argument("--rows", default=None, help="only these decode rows, e.g. 'B=8 T=4096;B=256 T=4096'")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--check-cases", default=None,
+                    help="';'-separated case-name prefixes for the correctness check")
+    ap.add_argument("--no-check", action="store_true", help="timings only")
+    ap.add_argument("--attention-only", action="store_true", help="no FP4 / indexer rows")
+    ap.add_argument("--tunings", default=None,
+                    help='JSON list of Triton tunings to time on every row, e.g. '
+                         '\'[{"reuse_kv": true}, {"num_warps": 4}]\' (the default tuning first)')
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     plat = sa.resolve_impl("auto")
@@ -307,7 +317,8 @@ def main(argv=None) -> int:
           flush=True)
     result = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
               "dims": {"heads": H, "latent": K, "window": W, "topk": TOPK}}
-    result["check"] = check(key, impls)
+    result["check"] = [] if args.no_check else check(
+        key, impls, args.check_cases.split(";") if args.check_cases else None)
     bad = [c for c in result["check"] if not c["ok"]]
     if args.check:
         _write(args.out, result)
@@ -319,6 +330,8 @@ def main(argv=None) -> int:
           f"{roof['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
     def tunings_for(rows_q: int):
         """Default tuning first; with --sweep also a grid suited to the row count."""
+        if args.tunings:
+            return [{}] + json.loads(args.tunings)
         if not args.sweep:
             return [{}]
         if rows_q <= 8:   # few programs: split the list (flash-decoding)
@@ -348,6 +361,9 @@ def main(argv=None) -> int:
                              key=key))
         _write(args.out, dict(result, attention=rows))
     result["attention"] = rows
+    if args.attention_only:
+        _write(args.out, dict(result, attention=rows))
+        return 1 if bad else 0
     fp4_impls = ["xla"] + (["triton" if plat == "triton" else plat] if plat != "xla" else [])
     result["fp4"] = fp4_rows(fp4_impls, args.inner, args.reps, roof, key)
     result["indexer"] = [] if args.quick else indexer_rows(args.inner, args.reps, key)

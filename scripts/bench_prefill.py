@@ -107,6 +107,14 @@ def parse_args(argv=None):
                          "while earlier runs execute (0: compile in each run's warm-up; "
                          "default: half the CPU cores, at most one per run)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    ap.add_argument("--max-chunks", type=int, default=None,
+                    help="time only the first N chunks of each prompt (a chunk's cost depends on "
+                         "the state's capacity, not on its position: every call has the same "
+                         "static shapes); seconds for the whole prompt are then projected as "
+                         "chunks x the measured time per chunk, and marked as such")
+    ap.add_argument("--wait-file", default=None,
+                    help="before the first timed run, wait until this file exists (lets another "
+                         "benchmark use the GPU while this one compiles)")
     ap.add_argument("--dry-run", action="store_true",
                     help="abstract weights (nothing allocated): trace, lower and compile each "
                          "run's prefill through the public API and print XLA's memory plan; "
@@ -201,6 +209,10 @@ def bench_one(params, cfg, n_tokens, mode, chunk, kw, args, compile_info=None) -
     times: list = []
     bar = tqdm(total=n_tokens, unit="tok", desc=f"{mode:5s} N={n_tokens}", mininterval=2.0,
                disable=args.no_progress, leave=False)
+    n_all = len(pieces)
+    if args.max_chunks:
+        pieces = pieces[:args.max_chunks]
+    timed_tokens = sum(n for _, n in pieces)
     t1 = time.perf_counter()
     out, state = run_chunks(params, cfg, pieces, state, mode, kw, bar, times)
     jax.block_until_ready((out, state))
@@ -216,8 +228,11 @@ def bench_one(params, cfg, n_tokens, mode, chunk, kw, args, compile_info=None) -
     compile_s = max(0.0, warm_s - n_warm * per_chunk)
     rec = {
         "length": n_tokens, "mode": mode, "capacity": capacity, "chunk": chunk,
-        "chunks": len(pieces),
-        "seconds": secs, "tokens_per_s": n_tokens / secs, "ms_per_chunk": 1e3 * per_chunk,
+        "chunks": n_all, "chunks_timed": len(pieces),
+        # whole prompt: measured, or (--max-chunks) projected from the timed chunks
+        "seconds": secs if len(pieces) == n_all else per_chunk * n_all,
+        "seconds_projected": len(pieces) != n_all, "timed_seconds": secs,
+        "tokens_per_s": timed_tokens / secs, "ms_per_chunk": 1e3 * per_chunk,
         "warmup_s": warm_s, "warmup_chunks": n_warm, "compile_s": compile_s,
         "xla_compiles_in_warmup": c1 - c0, "xla_compiles_in_timed_run": c2 - c1,
         "chunk_call_returns_s": [round(b - a, 6) for a, b in zip([t1] + times[:-1], times)],
@@ -491,7 +506,8 @@ def _table(runs: list, speedups: list) -> list[str]:
             f"{'n/a':>8}"
         plan = (r.get("xla_memory") or {}).get("planned_peak_bytes")
         plan = f"{plan / GB:8.1f}" if plan is not None else f"{'n/a':>8}"
-        lines.append(f"{r['length']:7d} {r['mode']:>5} {r['chunks']:6d} {r['seconds']:9.3f} "
+        proj = "*" if r.get("seconds_projected") else " "
+        lines.append(f"{r['length']:7d} {r['mode']:>5} {r['chunks']:6d} {r['seconds']:8.3f}{proj} "
                      f"{r['tokens_per_s']:10.1f} {r['ms_per_chunk']:9.1f} "
                      f"{r['compile_s']:9.1f} {peak} {plan}")
     if speedups:
@@ -502,6 +518,9 @@ def _table(runs: list, speedups: list) -> list[str]:
             lines.append(f"{s['length']:7d} {s['ced_tokens_per_s']:10.1f} "
                          f"{s['exact_tokens_per_s']:11.1f} {s['speedup']:16.2f}x "
                          f"{s['max_abs_logit_diff']:11.4g}")
+    if any(r.get("seconds_projected") for r in runs):
+        lines.append("* projected: --max-chunks timed only the first chunks; seconds = chunks x "
+                     "ms/chunk")
     return lines
 
 
@@ -515,6 +534,8 @@ def _speedups(runs: list) -> list:
                         "ced_tokens_per_s": c["tokens_per_s"],
                         "exact_tokens_per_s": e["tokens_per_s"],
                         "speedup": e["seconds"] / c["seconds"],
+                        "projected": bool(c.get("seconds_projected")
+                                          or e.get("seconds_projected")),
                         "max_abs_logit_diff": float(np.abs(c["_logits"] - e["_logits"]).max())})
     return out
 
@@ -652,6 +673,12 @@ def main(argv=None) -> dict:
                 pre.cancel((n, m), keep=jobs[jobs.index((n, m)) + 1:])
                 _write(args.out, results)
                 continue
+            if args.wait_file and not os.path.exists(args.wait_file):
+                t_wait = time.perf_counter()
+                print(f"waiting for {args.wait_file} ...", flush=True)
+                while not os.path.exists(args.wait_file):
+                    time.sleep(0.5)
+                results["waited_for_file_s"] = time.perf_counter() - t_wait
             if info is not None:
                 info["compiles_in_flight_during_run"] = pre.in_flight()
             try:

@@ -6,6 +6,9 @@ files (e.g. two kernel versions) are drawn side by side, one panel each.
 
     python scripts/plot_benchmarks.py docs/results/h200_sweep_kernel_v2.json --out docs/benchmarks.png
 
+``--prefill`` adds a panel of CED vs exact prefill tokens/s from ``scripts/bench_prefill.py``
+JSON files (one or both modes per file, any lengths).
+
 Needs matplotlib (``pip install -e .[notebooks]``).
 """
 
@@ -31,17 +34,53 @@ def rows_of(path: str) -> list[dict]:
     return out
 
 
+def prefill_runs(paths: list[str]) -> dict:
+    """{(length, mode): tokens/s} from bench_prefill JSON files (later files win)."""
+    out = {}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f).get("runs", []):
+                if "tokens_per_s" in r:
+                    out[(r["length"], r["mode"])] = r["tokens_per_s"]
+    return out
+
+
+def prefill_panel(ax, paths: list[str]) -> None:
+    runs = prefill_runs(paths)
+    lengths = sorted({n for n, _ in runs})
+    w = 0.38
+    for k, mode in enumerate(("exact", "ced")):
+        xs = [i + (k - 0.5) * w for i in range(len(lengths))]
+        ys = [runs.get((n, mode), 0) for n in lengths]
+        ax.bar(xs, ys, w, label=f"{mode} prefill")
+    for i, n in enumerate(lengths):
+        if (n, "ced") in runs and (n, "exact") in runs:
+            ratio = runs[(n, "ced")] / runs[(n, "exact")]
+            ax.annotate(f"{ratio:.2f}x", (i + 0.5 * w, runs[(n, "ced")]), ha="center",
+                        va="bottom", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [f"{n // 1024}K tokens" for n in lengths])
+    ax.set_ylabel("prompt tokens per second (H200)")
+    ax.set_title("CED vs exact prefill, 40-layer bench config", fontsize=9)
+    ax.legend(fontsize=8)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="+")
     ap.add_argument("--out", default="benchmarks.png")
+    ap.add_argument("--prefill", nargs="*", default=[], help="bench_prefill.py JSON files")
+    ap.add_argument("--titles", default=None, help="';'-separated panel titles of the JSON files")
     args = ap.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(args.json), figsize=(6 * len(args.json), 4.5), squeeze=False)
-    for ax, path in zip(axes[0], args.json):
+    panels = len(args.json) + bool(args.prefill)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    if args.prefill:
+        prefill_panel(axes[0][-1], args.prefill)
+    titles = args.titles.split(";") if args.titles else [p.rsplit("/", 1)[-1] for p in args.json]
+    for ax, path, title in zip(axes[0], args.json, titles):
         rows = rows_of(path)
         x = range(len(rows))
         w = 0.27
@@ -53,9 +92,9 @@ def main(argv=None) -> int:
                                                         b.get_height()),
                         ha="center", va="bottom", fontsize=8)
         ax.set_xticks(list(x), [r["name"] for r in rows], rotation=15, fontsize=8)
-        ax.set_ylim(0, max(max(r["xla"], r["default"] or 0, r["best"]) for r in rows) * 1.15)
-        ax.set_ylabel("microseconds per call (H200)")
-        ax.set_title(path.rsplit("/", 1)[-1], fontsize=9)
+        ax.set_yscale("log")
+        ax.set_ylabel("microseconds per call (H200, log scale)")
+        ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
     fig.suptitle("CSA2 sparse attention: 64 heads x 512, window 128, top-k 512")
     fig.tight_layout()

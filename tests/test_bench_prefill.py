@@ -145,3 +145,20 @@ def test_bench_prefill_dry_run(tmp_path, capsys):
                                                                        (128, "exact", "done")]
     assert all(j["xla_memory"]["argument_size_in_bytes"] > 0 for j in jobs)
     assert hasattr(model._chunk_jit, "lower")
+
+
+def test_bench_prefill_max_chunks_projects(tmp_path, capsys):
+    """--max-chunks times the first chunks only and projects the prompt's seconds from them
+    (marked as projected); --wait-file gates the timed runs (here: already there)."""
+    bp = _load_script()
+    out, gate = tmp_path / "mc.json", tmp_path / "go"
+    gate.write_text("")
+    bp.main(["--tiny", "--lengths", "128", "--capacity", "128", "--chunk", "64", "--modes",
+             "exact", "--max-chunks", "1", "--compile-threads", "0", "--wait-file", str(gate),
+             "--no-progress", "--out", str(out)])
+    assert "* projected" in capsys.readouterr().out
+    [r] = json.loads(out.read_text())["runs"]
+    assert (r["chunks"], r["chunks_timed"], r["seconds_projected"]) == (2, 1, True)
+    assert r["state_pos_after"] == 64 and r["xla_compiles_in_timed_run"] == 0
+    assert r["seconds"] == pytest.approx(2 * r["ms_per_chunk"] / 1e3)
+    assert r["tokens_per_s"] == pytest.approx(64 / r["timed_seconds"])

@@ -40,6 +40,11 @@ CASES = {
     "window 128 + top-k 128, 2 blocks each": (dict(K=128, Ww=128, k=128, Nw=130, T=300),
                                               dict(n_splits=1), True),
     "split list, 4 heads per program": (dict(Ww=70, k=130), dict(n_splits=3, block_h=4), False),
+    "channels split over 2 programs, block kept for PV": (
+        dict(K=128, Ww=128, k=128, Nw=130, T=300), dict(n_splits=1, n_dsplit=2, reuse_kv=True),
+        True),
+    "4 channel classes, 4 channel parts, splits": (dict(Ww=70, k=130),
+                                                   dict(n_splits=3, n_cls=4, n_dsplit=4), False),
 }
 
 
@@ -94,6 +99,7 @@ def test_reference_is_the_spec_formula():
 def test_dispatch_and_errors():
     assert sa.resolve_impl("auto", "cpu") == "xla"
     assert sa.resolve_impl("auto", "gpu", rows=8) == "xla"
+    assert sa.resolve_impl("auto", "gpu", rows=64) == "triton"
     assert sa.resolve_impl("auto", "gpu", rows=4096) == "triton"
     assert sa.resolve_impl("auto", "tpu", rows=4096) == "xla"     # Mosaic TPU is opt-in
     assert sa.resolve_impl("triton_interpret", "cpu") == "triton_interpret"
@@ -108,6 +114,10 @@ def test_dispatch_and_errors():
         sa.sparse_attention(args[0].astype(jnp.float32), *args[1:], impl="xla")
     with pytest.raises(ValueError, match="block_h"):
         sa.sparse_attention(*args, impl="triton_interpret", block_h=3)
+    with pytest.raises(ValueError, match="n_dsplit"):
+        sa.sparse_attention(*args, impl="triton_interpret", n_dsplit=3)
+    with pytest.raises(ValueError, match="dequant"):
+        sa.sparse_attention(*args, impl="triton_interpret", dequant="lut")
 
 
 def test_model_with_kernels_matches_xla_path(tiny_a):

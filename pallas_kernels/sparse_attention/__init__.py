@@ -10,7 +10,7 @@ One public op, :func:`sparse_attention`, with several implementations behind ``i
   scalar memory and drive one row DMA per entry.
 * ``"triton_interpret"`` / ``"mosaic_tpu_interpret"``: the same kernels in Pallas interpret
   mode (CPU tests).
-* ``"auto"``: ``triton`` on GPU for calls of >= 256 query rows, ``xla`` otherwise
+* ``"auto"``: ``triton`` on GPU for calls of >= 64 query rows, ``xla`` otherwise
   (see :func:`resolve_impl`).
 """
 
@@ -30,7 +30,7 @@ __all__ = ["IMPLS", "SOFTMAX_BLOCK", "TRITON_MIN_ROWS", "blocked_sink_softmax", 
            "pad_list", "resolve_impl", "sparse_attention", "sparse_attention_xla"]
 
 
-TRITON_MIN_ROWS = 256  # measured on the H200: below this the XLA path is as fast (docs)
+TRITON_MIN_ROWS = 64  # measured on the H200: below this the XLA path is as fast (docs)
 
 
 def resolve_impl(impl: str, backend: str | None = None, rows: int | None = None) -> str:

@@ -1,0 +1,141 @@
+"""The GPU build of the Triton kernel, checked on CPU: it lowers to Triton IR for an H200
+(Python-side errors of the non-interpret path surface here, not only on the device), and the
+PTX of the experimental ``dequant="asm"`` decode gives the exact e2m1/e4m3 values (the
+templates' instructions are emulated bit by bit)."""
+
+from __future__ import annotations
+
+import functools
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax._src.pallas.triton import gpu_info
+
+from pallas_kernels.sparse_attention import triton as tk
+from pallas_kernels.sparse_attention.reference import E2M1_LUT
+
+
+def _release_inputs(B, S, T, Nw, Ww, k):
+    """Release dimensions (64 heads x 512), zero-filled: only shapes and dtypes matter here."""
+    H, K = 64, 512
+    return (jnp.zeros((B, S, H, K), jnp.bfloat16), jnp.zeros((B, Nw, K), jnp.float8_e4m3fn),
+            jnp.zeros((B, Nw, K // 32), jnp.uint8), jnp.zeros((B, S, Ww), jnp.int32),
+            jnp.zeros((B, T, K // 2), jnp.uint8), jnp.zeros((B, T, K // 16), jnp.float8_e4m3fn),
+            jnp.zeros((B, S, k), jnp.int32), jnp.zeros((H,), jnp.float32))
+
+
+@pytest.mark.parametrize("rows, tune", [
+    ("decode B=8", {}),                                   # default: 32 heads, 8 list splits
+    ("decode B=8", {"dequant": "asm"}),
+    ("prefill 256", {"n_dsplit": 2, "reuse_kv": True}),
+    ("decode B=4 S=3", {"n_splits": 1, "dequant": "asm", "block_h": 64}),
+])
+def test_gpu_kernel_lowers_for_h200(rows, tune):
+    shapes = {"decode B=8": (8, 1, 1024, 129, 128, 512),
+              "prefill 256": (1, 256, 1024, 384, 128, 512),
+              "decode B=4 S=3": (4, 3, 1024, 131, 128, 512)}[rows]
+    args = _release_inputs(*shapes)
+    f = jax.jit(functools.partial(tk.sparse_attention, scale=512 ** -0.5, **tune))
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
+        exported = jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(*args)
+    text = exported.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert [o.shape for o in exported.out_avals] == [args[0].shape, args[0].shape[:3]]
+
+
+# ----------------------------------------------------------------------------- PTX emulation
+
+
+def _bf16_value(bits: int) -> float:
+    """Exact value of bf16 bits, subnormals included."""
+    sign = -1.0 if bits & 0x8000 else 1.0
+    e, m = (bits >> 7) & 0xFF, bits & 0x7F
+    return sign * (m / 128 * 2.0 ** -126 if e == 0 else (1 + m / 128) * 2.0 ** (e - 127))
+
+
+def _bf16_bits(x: float) -> int:
+    return int(np.array([x], ml_dtypes.bfloat16).view(np.uint16)[0])
+
+
+def _run_ptx(asm: str, regs: dict) -> dict:
+    """Emulate the instruction subset of the templates on 32-bit values (bf16x2 products are
+    exact in these templates, which the emulation asserts)."""
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 16) if tok.startswith("0x") else int(tok) if tok.isdigit() else regs[tok]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        ops = [t.strip() for t in re.split(r",(?![^{]*})", rest)]
+        if op == "prmt.b32":
+            src = [(val(ops[1]) >> 8 * i) & 0xFF for i in range(4)] + \
+                  [(val(ops[2]) >> 8 * i) & 0xFF for i in range(4)]
+            sel = val(ops[3])
+            regs[ops[0]] = sum(src[(sel >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "shr.u32":
+            regs[ops[0]] = val(ops[1]) >> val(ops[2])
+        elif op == "shl.b32":
+            regs[ops[0]] = (val(ops[1]) << val(ops[2])) & 0xFFFFFFFF
+        elif op in ("and.b32", "or.b32"):
+            a, b = val(ops[1]), val(ops[2])
+            regs[ops[0]] = a & b if op == "and.b32" else a | b
+        elif op == "mov.b32":
+            regs[ops[0]] = val(ops[1])
+        elif op == "mul.rn.bf16x2":
+            a, b = val(ops[1]), val(ops[2])
+            halves = []
+            for sh in (0, 16):
+                prod = _bf16_value((a >> sh) & 0xFFFF) * _bf16_value((b >> sh) & 0xFFFF)
+                assert _bf16_value(_bf16_bits(prod)) == prod, "inexact bf16 product"
+                halves.append(_bf16_bits(prod))
+            regs[ops[0]] = halves[0] | halves[1] << 16
+        else:
+            raise AssertionError(f"instruction not emulated: {op}")
+    return regs
+
+
+def _template(template, byte, shift):
+    sel = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12
+    return (template.replace("SEL", hex(sel)).replace("SHIFT", str(shift))
+            .replace("$0", "out").replace("$1", "w0").replace("$2", "w1")
+            .replace("$3", "s0").replace("$4", "s1"))
+
+
+def test_asm_e2m1_decode_is_exact():
+    rng = np.random.default_rng(0)
+    scales = [0.001953125, 0.375, 1.0, 448.0]                     # e4m3 values, incl. 2^-9
+    for _ in range(40):
+        w0, w1 = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
+        s0, s1 = (_bf16_bits(float(x)) for x in rng.choice(scales, 2))
+        for c in range(8):        # class c: nibble c of each word (as _program calls it)
+            out = _run_ptx(_template(tk._E2M1_PTX, c // 2, 4 * (c % 2)),
+                           {"w0": w0, "w1": w1, "s0": s0, "s1": s1})["out"]
+            for half, w, s in ((out & 0xFFFF, w0, s0), (out >> 16, w1, s1)):
+                want = float(E2M1_LUT[(w >> 4 * c) & 15]) * _bf16_value(s)
+                assert _bf16_value(half) == want
+
+
+def test_asm_e4m3_decode_is_exact():
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        w0, w1 = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
+        u0, u1 = (int(x) for x in rng.integers(100, 150, 2))       # E8M0 scale bytes
+        for k in range(4):        # byte k of each word
+            out = _run_ptx(_template(tk._E4M3_PTX, k, 0),
+                           {"w0": w0, "w1": w1, "s0": u0 << 7, "s1": u1 << 7})["out"]
+            for half, w, u in ((out & 0xFFFF, w0, u0), (out >> 16, w1, u1)):
+                code = (w >> 8 * k) & 0xFF
+                if code & 0x7F == 0x7F:      # the NaN code: the state never holds it
+                    continue
+                e4m3 = float(np.array([code], np.uint8).view(ml_dtypes.float8_e4m3fn)[0])
+                assert _bf16_value(half) == e4m3 * 2.0 ** (u - 127)
