@@ -313,7 +313,8 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
     # the kernel choice depends on the rows of one call: with batch_invariant a row runs alone
     rows = (1 if batch_invariant else B) * S
-    static = Static(cfg, collect, batch_invariant, resolve_impl(attn_impl, rows=rows))
+    static = Static(cfg, collect, batch_invariant, resolve_impl(
+        attn_impl, rows=rows, heads=cfg.n_heads, head_dim=cfg.head_dim))
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
     return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
                       jnp.asarray(compat_stale_index_k), static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
@@ -328,7 +329,7 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
     outside [0, vocab), a batch mismatch, a full state or an unknown attn_impl.
     """
     rows = 1 if batch_invariant else int(np.asarray(tokens).size)
-    attn_impl = resolve_impl(attn_impl, rows=rows)
+    attn_impl = resolve_impl(attn_impl, rows=rows, heads=cfg.n_heads, head_dim=cfg.head_dim)
     tokens = np.asarray(tokens).reshape(-1)
     B = state["pos"].shape[0]
     if tokens.shape != (B,):

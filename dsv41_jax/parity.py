@@ -118,7 +118,8 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     ch = model._make_chunk(cfg, pos, jnp.ones((B, S), bool), jnp.zeros(B, jnp.int32),
                            jnp.full(B, S, jnp.int32), jnp.zeros(B, jnp.int32), False, False,
-                           resolve_impl(attn_impl))
+                           resolve_impl(attn_impl, rows=B * S, heads=cfg.n_heads,
+                                        head_dim=cfg.head_dim))
     image_mask = jnp.asarray(f["prefill.image_mask"]) if "prefill.image_mask" in f.files else None
     engram_ids = {}
     if cfg.engram_layer_ids:

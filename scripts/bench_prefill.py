@@ -591,7 +591,8 @@ def main(argv=None) -> dict:
     resolved = None
     if passed and callable(getattr(model, "resolve_impl", None)):
         try:
-            resolved = model.resolve_impl(args.attn_impl)
+            resolved = model.resolve_impl(args.attn_impl, heads=cfg.n_heads,
+                                            head_dim=cfg.head_dim)
         except Exception:  # noqa: BLE001  (informational only)
             resolved = None
     print(f"attn_impl: {args.attn_impl!r} " + (

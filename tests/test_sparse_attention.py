@@ -72,6 +72,13 @@ def test_triton_kernel_swa_only_and_empty():
                                  n_splits=1)
     assert (_f32(o0) == _f32(o1)).mean() > 0.99
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-6)
+    # an empty main KV (no rows at all) with an unfilled top-k list: the window alone
+    main, msc, topk = make_inputs()[4:7]
+    o3, l3 = sa.sparse_attention(q, wkv, wsc, widx, main[:, :0], msc[:, :0],
+                                 jnp.full_like(topk, -1), sink, impl="triton_interpret",
+                                 n_splits=1)
+    assert (_f32(o0) == _f32(o3)).mean() > 0.99
+    np.testing.assert_allclose(np.asarray(l3), np.asarray(l0), rtol=1e-6)
     # a list of -1 only: exactly 0, lse = sink
     o2, l2 = sa.sparse_attention(q, wkv, wsc, jnp.full_like(widx, -1), sink=sink,
                                  impl="triton_interpret")
@@ -101,6 +108,11 @@ def test_dispatch_and_errors():
     assert sa.resolve_impl("auto", "gpu", rows=8) == "xla"
     assert sa.resolve_impl("auto", "gpu", rows=64) == "triton"
     assert sa.resolve_impl("auto", "gpu", rows=4096) == "triton"
+    assert sa.resolve_impl("auto", "gpu", rows=4096, heads=64, head_dim=512) == "triton"
+    # shapes the kernel does not tile stay on XLA (8 heads are padded to the 16-row tile)
+    assert sa.resolve_impl("auto", "gpu", rows=4096, heads=8, head_dim=64) == "triton"
+    assert sa.resolve_impl("auto", "gpu", rows=4096, heads=24, head_dim=64) == "xla"
+    assert sa.resolve_impl("auto", "gpu", rows=4096, heads=64, head_dim=96) == "xla"
     assert sa.resolve_impl("auto", "tpu", rows=4096) == "xla"     # Mosaic TPU is opt-in
     assert sa.resolve_impl("triton_interpret", "cpu") == "triton_interpret"
     args = make_inputs()
@@ -118,6 +130,8 @@ def test_dispatch_and_errors():
         sa.sparse_attention(*args, impl="triton_interpret", n_dsplit=3)
     with pytest.raises(ValueError, match="dequant"):
         sa.sparse_attention(*args, impl="triton_interpret", dequant="lut")
+    with pytest.raises(ValueError, match="8 channel classes"):
+        sa.sparse_attention(*args, impl="triton_interpret", dequant="asm", n_cls=4)
 
 
 def test_model_with_kernels_matches_xla_path(tiny_a):

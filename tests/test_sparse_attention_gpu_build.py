@@ -20,9 +20,8 @@ from pallas_kernels.sparse_attention import triton as tk
 from pallas_kernels.sparse_attention.reference import E2M1_LUT
 
 
-def _release_inputs(B, S, T, Nw, Ww, k):
+def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
     """Release dimensions (64 heads x 512), zero-filled: only shapes and dtypes matter here."""
-    H, K = 64, 512
     return (jnp.zeros((B, S, H, K), jnp.bfloat16), jnp.zeros((B, Nw, K), jnp.float8_e4m3fn),
             jnp.zeros((B, Nw, K // 32), jnp.uint8), jnp.zeros((B, S, Ww), jnp.int32),
             jnp.zeros((B, T, K // 2), jnp.uint8), jnp.zeros((B, T, K // 16), jnp.float8_e4m3fn),
@@ -34,11 +33,13 @@ def _release_inputs(B, S, T, Nw, Ww, k):
     ("decode B=8", {"dequant": "asm"}),
     ("prefill 256", {"n_dsplit": 2, "reuse_kv": True}),
     ("decode B=4 S=3", {"n_splits": 1, "dequant": "asm", "block_h": 64}),
+    ("tiny-a shapes, 8 heads x 64", {}),                 # heads padded to the 16-row tile
 ])
 def test_gpu_kernel_lowers_for_h200(rows, tune):
     shapes = {"decode B=8": (8, 1, 1024, 129, 128, 512),
               "prefill 256": (1, 256, 1024, 384, 128, 512),
-              "decode B=4 S=3": (4, 3, 1024, 131, 128, 512)}[rows]
+              "decode B=4 S=3": (4, 3, 1024, 131, 128, 512),
+              "tiny-a shapes, 8 heads x 64": (2, 24, 32, 56, 24, 16, 8, 64)}[rows]
     args = _release_inputs(*shapes)
     f = jax.jit(functools.partial(tk.sparse_attention, scale=512 ** -0.5, **tune))
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)

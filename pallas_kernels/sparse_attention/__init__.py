@@ -26,29 +26,42 @@ from pallas_kernels.sparse_attention.reference import (SOFTMAX_BLOCK, blocked_si
 
 IMPLS = ("auto", "xla", "triton", "mosaic_tpu", "triton_interpret", "mosaic_tpu_interpret")
 
-__all__ = ["IMPLS", "SOFTMAX_BLOCK", "TRITON_MIN_ROWS", "blocked_sink_softmax", "dequant_main", "dequant_window",
-           "pad_list", "resolve_impl", "sparse_attention", "sparse_attention_xla"]
+__all__ = ["IMPLS", "SOFTMAX_BLOCK", "TRITON_MIN_ROWS", "blocked_sink_softmax", "dequant_main",
+           "dequant_window", "pad_list", "resolve_impl", "sparse_attention",
+           "sparse_attention_xla", "triton_supports"]
 
 
 TRITON_MIN_ROWS = 64  # measured on the H200: below this the XLA path is as fast (docs)
 
 
-def resolve_impl(impl: str, backend: str | None = None, rows: int | None = None) -> str:
+def triton_supports(heads: int, head_dim: int) -> bool:
+    """Whether the Triton kernel tiles these shapes on a GPU: a power-of-two head dim of at
+    least 64, and either fewer than 16 heads (padded to the 16-row tensor-core tile) or a
+    power-of-two head block (``min(heads, 64)``) dividing the heads."""
+    block_h = min(heads, 64)
+    heads_ok = heads < 16 or (not block_h & (block_h - 1) and heads % block_h == 0)
+    return heads_ok and head_dim >= 64 and not head_dim & (head_dim - 1)
+
+
+def resolve_impl(impl: str, backend: str | None = None, rows: int | None = None,
+                 heads: int | None = None, head_dim: int | None = None) -> str:
     """The implementation ``impl`` stands for on ``backend`` (default: JAX's default backend)
-    for a call with ``rows = B * S`` query rows (None: unknown).
+    for a call with ``rows = B * S`` query rows, ``heads`` and ``head_dim`` (None: unknown).
 
     ``"auto"`` picks ``triton`` on GPUs for calls of at least :data:`TRITON_MIN_ROWS` query rows
-    (prefill chunks, large decode batches), where the H200 measurements put it ahead of XLA
-    and it avoids the O(rows * list * K) gathered copy; ``xla`` for smaller calls, on CPU, and
-    on TPU (the Mosaic TPU kernel is tested in interpret mode only, so it is opt-in).
-    Raises ``ValueError`` for an unknown name.
+    (prefill chunks, decode batches of 64 and more) whose shapes the kernel tiles
+    (:func:`triton_supports`), where the H200 measurements put it ahead of XLA and it avoids
+    the O(rows * list * K) gathered copy; ``xla`` for smaller calls, other shapes (the
+    8-head test configs), on CPU, and on TPU (the Mosaic TPU kernel is tested in interpret mode
+    only, so it is opt-in). Raises ``ValueError`` for an unknown name.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
     backend = backend or jax.default_backend()
-    if backend in ("gpu", "cuda") and (rows is None or rows >= TRITON_MIN_ROWS):
+    shapes_ok = heads is None or head_dim is None or triton_supports(heads, head_dim)
+    if backend in ("gpu", "cuda") and shapes_ok and (rows is None or rows >= TRITON_MIN_ROWS):
         return "triton"
     return "xla"
 
@@ -108,7 +121,7 @@ def sparse_attention(q: Float[Array, "B S H K"], win_kv, win_scale, win_idx: Int
         if topk.shape[-1] == 0:
             topk = None
     scale = K ** -0.5 if scale is None else float(scale)
-    impl = resolve_impl(impl, rows=B * S)
+    impl = resolve_impl(impl, rows=B * S, heads=H, head_dim=K)
     if impl == "xla":
         return sparse_attention_xla(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink,
                                     scale)

@@ -186,13 +186,13 @@ def _program(d, r, hb, sp, q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, s
 
     # -- loads of one block: the raw words and scale bytes of its 64 listed rows ------------
     def load_window(idx):
-        row = jnp.clip(idx, 0, n_rows_win - 1)[:, None]   # clamped like XLA's gather; -1 -> 0
+        row = jnp.clip(idx, 0, max(n_rows_win - 1, 0))[:, None]   # as XLA's gather; -1 -> 0
         cols = [2 * t, 2 * t + 1] if n_cls == 8 else [t]   # class c: word (n_cls t + c) // 4
         words = tuple(wkv_ref[b, row, col] for col in cols)
         return words, wsc_ref[b, row, (n_cls * t) // 32].astype(I32)
 
     def load_main(idx):
-        row = jnp.clip(idx, 0, n_rows_main - 1)[:, None]
+        row = jnp.clip(idx, 0, max(n_rows_main - 1, 0))[:, None]
         col = t if n_cls == 8 else (n_cls * t) // 8      # class c: word (n_cls t + c) // 8
         return (mkv_ref[b, row, col],), msc_ref[b, row, (n_cls * t) // 16].astype(I32)
 
@@ -357,12 +357,28 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
                      dequant: str | None = None):
     """Triton implementation of :func:`pallas_kernels.sparse_attention.sparse_attention`.
 
-    Same arguments and results (o bf16 [B,S,H,K], lse fp32 [B,S,H]); ``block_h`` heads per
-    program (a power of two dividing H), ``n_splits`` list splits (1 = the reference block
-    order), Triton ``num_warps`` / ``num_stages``. Unset tuning comes from
-    :func:`default_tuning`. Raises ``ValueError`` for a ``block_h`` that does not divide H.
+    Same arguments and results (o bf16 [B,S,H,K], lse fp32 [B,S,H]). Tuning (unset values
+    come from :func:`default_tuning`): ``block_h`` heads per program (a power of two dividing
+    H, >= 16 on a GPU), ``n_splits`` list splits (1 = the reference block order), Triton
+    ``num_warps`` / ``num_stages``, ``n_cls`` channel classes (4 or 8; default 8 when
+    ``K / 8 >= 16``, the tensor-core minimum), ``reuse_kv`` (keep the dequantised block for the
+    PV product instead of decoding it again), ``n_dsplit`` (1, 2 or 4 programs per head block,
+    each doing the PV product of part of the channel classes), ``dequant`` (``"jnp"``, or the
+    experimental PTX decode ``"asm"``: GPU only and 8 classes; interpret mode always decodes
+    with jnp, since PTX cannot run on CPU).
+
+    Raises ``ValueError`` for a tuning outside those limits or a head dim that is not a power
+    of two >= 64.
     """
     B, S, H, K = q.shape
+    if H < 16 and not interpret and block_h is None:
+        # fewer heads than the tensor-core tile (the test configs): zero heads pad the tile
+        o, lse = sparse_attention(
+            jnp.pad(q, ((0, 0), (0, 0), (0, 16 - H), (0, 0))), win_kv, win_scale, win_idx, main,
+            main_scale, topk, jnp.pad(sink, (0, 16 - H)), scale, block_h=16, n_splits=n_splits,
+            num_warps=num_warps, num_stages=num_stages, n_cls=n_cls, reuse_kv=reuse_kv,
+            n_dsplit=n_dsplit, dequant=dequant)
+        return o[:, :, :H], lse[:, :, :H]
     n_win = win_idx.shape[-1]
     if topk is None:  # SWA-only layer: a dummy main KV that the kernel never reads
         lst = win_idx
@@ -372,6 +388,12 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         lst = jnp.concatenate([win_idx, topk], axis=-1)
     lst = pad_list(lst)
     n_blocks = lst.shape[-1] // SOFTMAX_BLOCK
+    if win_kv.shape[1] == 0:   # nothing to gather from: one zero row keeps the reads in bounds
+        win_kv = jnp.zeros((B, 1, K), win_kv.dtype)
+        win_scale = jnp.zeros((B, 1, K // 32), win_scale.dtype)
+    if main.shape[1] == 0:
+        main = jnp.zeros((B, 1, K // 2), main.dtype)
+        main_scale = jnp.zeros((B, 1, K // 16), main_scale.dtype)
     if n_blocks == 0:   # nothing listed at all: o = 0, lse = sink
         return (jnp.zeros((B, S, H, K), BF16),
                 jnp.broadcast_to(sink.astype(F32), (B, S, H)))
@@ -391,6 +413,8 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     dequant = dequant or tune["dequant"]
     if dequant not in ("asm", "jnp"):
         raise ValueError(f"dequant must be 'asm' or 'jnp', got {dequant!r}")
+    if dequant == "asm" and n_cls != 8:
+        raise ValueError(f"dequant='asm' decodes 8 channel classes; n_cls={n_cls} (K={K})")
     if n_dsplit not in (1, 2, 4) or n_dsplit > n_cls:
         raise ValueError(f"n_dsplit={n_dsplit} must be 1, 2 or 4 (and <= n_cls={n_cls})")
     R = B * S
