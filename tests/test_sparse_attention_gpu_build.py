@@ -105,11 +105,9 @@ def _run_ptx(asm: str, regs: dict) -> dict:
     return regs
 
 
-def _template(template, byte, shift):
-    sel = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12
-    return (template.replace("SEL", hex(sel)).replace("SHIFT", str(shift))
-            .replace("$0", "out").replace("$1", "w0").replace("$2", "w1")
-            .replace("$3", "s0").replace("$4", "s1"))
+def _template(fmt, byte, shift):
+    return (tk.decode_ptx(fmt, byte, shift).replace("$0", "out").replace("$1", "w0")
+            .replace("$2", "w1").replace("$3", "s0").replace("$4", "s1"))
 
 
 def test_asm_e2m1_decode_is_exact():
@@ -119,7 +117,7 @@ def test_asm_e2m1_decode_is_exact():
         w0, w1 = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
         s0, s1 = (_bf16_bits(float(x)) for x in rng.choice(scales, 2))
         for c in range(8):        # class c: nibble c of each word (as _program calls it)
-            out = _run_ptx(_template(tk._E2M1_PTX, c // 2, 4 * (c % 2)),
+            out = _run_ptx(_template("e2m1", c // 2, 4 * (c % 2)),
                            {"w0": w0, "w1": w1, "s0": s0, "s1": s1})["out"]
             for half, w, s in ((out & 0xFFFF, w0, s0), (out >> 16, w1, s1)):
                 want = float(E2M1_LUT[(w >> 4 * c) & 15]) * _bf16_value(s)
@@ -132,7 +130,7 @@ def test_asm_e4m3_decode_is_exact():
         w0, w1 = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
         u0, u1 = (int(x) for x in rng.integers(100, 150, 2))       # E8M0 scale bytes
         for k in range(4):        # byte k of each word
-            out = _run_ptx(_template(tk._E4M3_PTX, k, 0),
+            out = _run_ptx(_template("e4m3", k, 0),
                            {"w0": w0, "w1": w1, "s0": u0 << 7, "s1": u1 << 7})["out"]
             for half, w, u in ((out & 0xFFFF, w0, u0), (out >> 16, w1, u1)):
                 code = (w >> 8 * k) & 0xFF

@@ -79,6 +79,8 @@ def _e2m1_field(words, n):
     if isinstance(n, int):
         return _f16_to_f32((_shl(words, 12 - 4 * n) & 0x8000) | (_shl(words, 9 - 4 * n) & 0x0E00))
     return e2m1_over_16384((words >> (4 * n)) & 15)
+
+
 # PTX for the GPU build (``dequant="asm"``): one class of two adjacent words -> bf16x2,
 # exactly, with no conversion instructions. ``prmt`` brings the byte holding the code of each
 # word into the two halves; the code's bits are placed where a bf16's low exponent and high
@@ -86,43 +88,44 @@ def _e2m1_field(words, n):
 # subnormals included; two exact bf16x2 multiplies (that power of two, then the scale: the
 # products have <= 8 significant bits) give the dequantised pair.
 # $0: the bf16 pair; $1, $2: the two int32 words; $3, $4: their scales' bf16 bits.
-_E2M1_PTX = """{
+_DECODE_PTX = """{
 .reg .b32 x, a, b, c, s;
 prmt.b32 x, $1, $2, SEL;
 shr.u32 x, x, SHIFT;
-shl.b32 a, x, 6;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, x, 12;
+shl.b32 a, x, MAG_SHL;
+and.b32 a, a, MAG_MASK;
+shl.b32 b, x, SIGN_SHL;
 and.b32 b, b, 0x80008000;
 or.b32 a, a, b;
-mov.b32 c, 0x7E807E80;
+mov.b32 c, POW2;
 mul.rn.bf16x2 a, a, c;
 prmt.b32 s, $3, $4, 0x5410;
 mul.rn.bf16x2 $0, a, s;
-}"""   # nibble c of each word: byte c // 2, its high half when c is odd (SHIFT 4)
-_E4M3_PTX = """{
-.reg .b32 x, a, b, c, s;
-prmt.b32 x, $1, $2, SEL;
-shl.b32 a, x, 4;
-and.b32 a, a, 0x07F007F0;
-shl.b32 b, x, 8;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mov.b32 c, 0x7B807B80;
-mul.rn.bf16x2 a, a, c;
-prmt.b32 s, $3, $4, 0x5410;
-mul.rn.bf16x2 $0, a, s;
-}"""   # byte k of each word
+}"""
+# per format: where the code's magnitude and sign bits go, and the bf16x2 power of two that
+# undoes the placement (e2m1 magnitude bits 0-2 -> 6-8, sign 3 -> 15, x 2**126; e4m3 bits
+# 0-6 -> 4-10, sign 7 -> 15, x 2**120)
+_DECODE_FIELDS = {"e2m1": {"MAG_SHL": "6", "MAG_MASK": "0x01C001C0", "SIGN_SHL": "12",
+                           "POW2": "0x7E807E80"},
+                  "e4m3": {"MAG_SHL": "4", "MAG_MASK": "0x07F007F0", "SIGN_SHL": "8",
+                           "POW2": "0x7B807B80"}}
 
 
-def _class_asm(template: str, byte: int, shift: int, words, scale_bits):
+def decode_ptx(fmt: str, byte: int, shift: int) -> str:
+    """The PTX decoding format ``fmt`` ("e2m1" | "e4m3") from byte ``byte`` of each word, that
+    byte shifted right by ``shift`` (4: the high nibble)."""
+    asm = _DECODE_PTX.replace("SEL", hex(byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12))
+    for key, val in dict(_DECODE_FIELDS[fmt], SHIFT=str(shift)).items():
+        asm = asm.replace(key, val)
+    return asm
+
+
+def _class_asm(fmt: str, byte: int, shift: int, words, scale_bits):
     """bf16 tile of one code per int32 word (byte ``byte``, shifted right by ``shift``) times
-    the scales (``scale_bits``: int32 tile of bf16 bits), via the PTX above."""
-    sel = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12     # bytes -> 0,1 / 2,3
-    asm = template.replace("SEL", hex(sel)).replace("SHIFT", str(shift))
+    the scales (``scale_bits``: int32 tile of bf16 bits), via :func:`decode_ptx`."""
     [out] = plgpu.elementwise_inline_asm(
-        asm, args=[words, scale_bits], constraints="=r,r,r,r,r", pack=2,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, BF16)])
+        decode_ptx(fmt, byte, shift), args=[words, scale_bits], constraints="=r,r,r,r,r",
+        pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, BF16)])
     return out
 
 
@@ -131,9 +134,7 @@ def _bf16_bits(x_bf16):
     return jax.lax.bitcast_convert_type(x_bf16, jnp.int16).astype(I32) & 0xFFFF
 
 
-def _kernel(q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_refs,
-            S, K, n_cls, n_dsplit, block_h, n_win, n_blocks, n_splits, scale, interpret,
-            reuse_kv, dequant):
+def _kernel(*refs, n_dsplit, **static):
     """Program (row r = b*S + s, head block, split) over the joint list ``idx_ref``: the first
     ``n_win`` entries are window rows, the rest main-KV entries (-1 = none).
 
@@ -149,20 +150,20 @@ def _kernel(q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_r
 
     ``n_dsplit`` programs share a (row, head block): each computes the whole score block but
     the PV product of only ``n_cls / n_dsplit`` classes, so its fp32 accumulator is that much
-    smaller (the [block_h, K] accumulator is what fills the register file).
+    smaller (measured on the H200: not faster, so off by default).
+
+    Refs, in order: q, the joint list, window words, window scales, main words, main scales,
+    sink, then the outputs; ``static``: the keyword arguments of :func:`_program`.
     """
     r, hd, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     for d in range(n_dsplit):   # one static copy of the program per part of the channels
         pl.when(hd % n_dsplit == d)(functools.partial(
-            _program, d, r, hd // n_dsplit, sp, q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_refs,
-            S=S, K=K, n_cls=n_cls, n_dsplit=n_dsplit, block_h=block_h, n_win=n_win,
-            n_blocks=n_blocks, n_splits=n_splits, scale=scale, interpret=interpret,
-            reuse_kv=reuse_kv, dequant=dequant))
+            _program, d, r, hd // n_dsplit, sp, *refs, n_dsplit=n_dsplit, **static))
 
 
-def _program(d, r, hb, sp, q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_refs,
-             S, K, n_cls, n_dsplit, block_h, n_win, n_blocks, n_splits, scale, interpret,
-             reuse_kv, dequant):
+def _program(d, r, hb, sp, q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref,
+             *out_refs, S, K, n_cls, n_dsplit, block_h, n_win, n_blocks, n_splits, scale,
+             interpret, reuse_kv, dequant):
     """The body of :func:`_kernel` for channel part ``d`` (classes ``mine``)."""
     use_asm = dequant == "asm" and n_cls == 8 and not interpret
     per = n_cls // n_dsplit
@@ -217,7 +218,7 @@ def _program(d, r, hb, sp, q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, s
             (raw, sc), = loaded
             if use_asm:   # class c: byte c % 4 of the even (c < 4) / odd words
                 sc = sc << 7                                       # 2**(u-127) as bf16 bits
-                return [((c,), lambda c=c: (_class_asm(_E4M3_PTX, c % 4, 0, raw[c // 4], sc),))
+                return [((c,), lambda c=c: (_class_asm("e4m3", c % 4, 0, raw[c // 4], sc),))
                         for c in range(n_cls)]
             sc = window_scale(sc)
             kv_of = lambda c: window_class(raw, sc, c)  # noqa: E731
@@ -225,7 +226,7 @@ def _program(d, r, hb, sp, q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, s
             (raw, sc), = loaded
             if use_asm:   # class c: nibble c of the words
                 sc = _bf16_bits((e4m3_over_256(sc) * 256.0).astype(BF16))
-                return [((c,), lambda c=c: (_class_asm(_E2M1_PTX, c // 2, 4 * (c % 2), raw[0],
+                return [((c,), lambda c=c: (_class_asm("e2m1", c // 2, 4 * (c % 2), raw[0],
                                                        sc),)) for c in range(n_cls)]
             sc = main_scale(sc)
             kv_of = lambda c: main_class(raw, sc, c)  # noqa: E731
@@ -435,9 +436,10 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         out_shape = (jax.ShapeDtypeStruct((R, n_splits, H, K), F32),
                      jax.ShapeDtypeStruct((R, n_splits, H), F32),
                      jax.ShapeDtypeStruct((R, n_splits, H), F32))
-        out_specs = (pl.BlockSpec((None, None, block_h, K), lambda r, h, s: (r, s, h // n_dsplit, 0)),
-                     pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h // n_dsplit)),
-                     pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h // n_dsplit)))
+        out_specs = (
+            pl.BlockSpec((None, None, block_h, K), lambda r, h, s: (r, s, h // n_dsplit, 0)),
+            pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h // n_dsplit)),
+            pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h // n_dsplit)))
     kernel = functools.partial(_kernel, S=S, K=K, n_cls=n_cls, n_dsplit=n_dsplit,
                                block_h=block_h, n_win=n_win,
                                n_blocks=n_blocks, n_splits=n_splits, scale=scale,
