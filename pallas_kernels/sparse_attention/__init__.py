@@ -51,8 +51,8 @@ def resolve_impl(impl: str, backend: str | None = None, rows: int | None = None,
     ``"auto"`` picks ``triton`` on GPUs for calls of at least :data:`TRITON_MIN_ROWS` query rows
     (prefill chunks, decode batches of 64 and more) whose shapes the kernel tiles
     (:func:`triton_supports`), where the H200 measurements put it ahead of XLA and it avoids
-    the O(rows * list * K) gathered copy; ``xla`` for smaller calls, other shapes (the
-    8-head test configs), on CPU, and on TPU (the Mosaic TPU kernel is tested in interpret mode
+    the O(rows * list * K) gathered copy; ``xla`` for smaller calls, shapes it does not
+    tile (e.g. 24 heads, head dim 96), on CPU, and on TPU (the Mosaic TPU kernel is tested in interpret mode
     only, so it is opt-in). Raises ``ValueError`` for an unknown name.
     """
     if impl not in IMPLS:
