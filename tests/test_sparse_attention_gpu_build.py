@@ -31,6 +31,7 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
 @pytest.mark.parametrize("rows, tune", [
     ("decode B=8", {}),                                   # default: 32 heads, 8 list splits
     ("decode B=8", {"dequant": "asm"}),
+    ("prefill 256", {}),                                  # default: 64 heads, asm decode
     ("prefill 256", {"n_dsplit": 2, "reuse_kv": True}),
     ("decode B=4 S=3", {"n_splits": 1, "dequant": "asm", "block_h": 64}),
     ("tiny-a shapes, 8 heads x 64", {}),                 # heads padded to the 16-row tile
