@@ -217,26 +217,53 @@ def fp4_rows(impls, inner, reps, roof, key):
     return rows
 
 
-def indexer_rows(inner, reps, key):
-    """XLA indexer scoring + top-k of one decode step over T entries (32 heads x 128)."""
+def indexer_rows(impls, inner, reps, roof, key):
+    """Indexer of one decode step over T packed entries (32 heads x 128, the release dims):
+    the scores from the packed FP4 indexer K per implementation (XLA dequantises the whole K
+    first), the XLA top-k alone, and the model's whole XLA path (dequantise, score, top-k)."""
+    from dsv41_jax import state as st
     from dsv41_jax.layers import indexer
+    from pallas_kernels import indexer as pidx
     rows = []
-    for B, T in ((8, 32768), (64, 32768), (8, 65536)):
-        ks = jax.random.split(key, 3)
-        q = jax.random.normal(ks[0], (B, 1, 32, 128), F32).astype(BF16)
-        w = jax.random.normal(ks[1], (B, 1, 32), F32).astype(BF16)
-        k = jax.random.normal(ks[2], (B, T, 128), F32).astype(BF16)
+    for B, T in ((1, 32768), (8, 32768), (64, 32768), (8, 65536)):
+        ks = jax.random.split(key, 4)
+        q = quant.fp4_qdq(jax.random.normal(ks[0], (B, 1, 32, 128), F32).astype(BF16), 32,
+                          "e8m0")
+        w = (jax.random.normal(ks[1], (B, 1, 32), F32) * 0.1).astype(BF16)
+        codes, scale = quant.fp4_quantize(jax.random.normal(ks[2], (B, T, 128), F32)
+                                          .astype(BF16), 32, "e8m0")
+        codes = quant.pack_nibbles(codes)
         vis = jnp.full((B, 1), T, jnp.int32)
-
-        def fn(q, w, k, vis):
-            return indexer.select_topk(indexer.index_scores(q, w, k, vis), TOPK)
-        sets = [(q + jnp.asarray(i, BF16), w, k, vis) for i in range(max(2, inner // 2))]
-        t = time_fn(fn, sets, reps)
+        sets = [(q + jnp.asarray(i, BF16), w, codes, scale, vis)
+                for i in range(max(2, inner // 2))]
         flops = 2.0 * B * 32 * T * 128
-        rows.append({"name": f"indexer decode B={B} T={T}", "us": t * 1e6,
-                     "TFLOPs": flops / t / 1e12})
-        print(f"  indexer (XLA) decode B={B:3d} T={T:6d}   {t * 1e6:9.1f} us "
-              f"{flops / t / 1e12:7.1f} TFLOP/s", flush=True)
+        byts = B * T * (64 + 4)
+        res = {"name": f"indexer decode B={B} T={T}", "B": B, "T": T, "flops": flops,
+               "bytes": byts, "impls": {}}
+        fns = {f"scores {impl}": (lambda q, w, c, s, v, impl=impl:
+                                  pidx.index_scores(q, w, c, s, v, impl=impl))
+               for impl in impls}
+        fns["top-k alone (xla)"] = lambda q, w, c, s, v: indexer.select_topk(
+            jnp.where(jnp.arange(T) < v[..., None], q[:, :, 0, :1].astype(F32), -jnp.inf)
+            * jnp.sin(jnp.arange(T, dtype=F32)), TOPK)
+        fns["model path (xla)"] = lambda q, w, c, s, v: indexer.select_topk(
+            indexer.index_scores(q, w, st.dequant_index_k(c, s), v), TOPK)
+        for label, fn in fns.items():
+            try:
+                t = time_fn(fn, sets, reps)
+            except Exception as e:  # noqa: BLE001
+                res["impls"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"  indexer B={B} T={T} {label}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            res["impls"][label] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12,
+                                   "GBps": byts / t / 1e9,
+                                   "roofline_frac": byts / t / 1e9 / roof["copy_GBps"]}
+            print(f"  indexer decode B={B:3d} T={T:6d} {label:20s} {t * 1e6:9.1f} us "
+                  f"{flops / t / 1e12:7.1f} TFLOP/s {byts / t / 1e9:7.0f} GB/s", flush=True)
+        ok = res["impls"]
+        if "us" in ok.get("scores xla", {}) and "us" in ok.get("scores triton", {}):
+            res["speedup_vs_xla"] = ok["scores xla"]["us"] / ok["scores triton"]["us"]
+        rows.append(res)
     return rows
 
 
@@ -289,6 +316,31 @@ def check(key, impls, only=None) -> list[dict]:
             print(f"{'ok  ' if ok else 'FAIL'} {name:34s} {impl:8s} max|d|={d.max():.3g} "
                   f"bitwise={row['bitwise_equal_frac']:.4f} in-tol={row['within_tol_frac']:.5f}"
                   f" lse|d|={lse_d:.2g}", flush=True)
+    from pallas_kernels import indexer as pidx
+    for B, T in ((8, 32768), (2, 1000)):
+        ks = jax.random.split(jax.random.fold_in(key, T), 3)
+        q = quant.fp4_qdq(jax.random.normal(ks[0], (B, 2, 32, 128), F32).astype(BF16), 32,
+                          "e8m0")
+        w = (jax.random.normal(ks[1], (B, 2, 32), F32) * 0.1).astype(BF16)
+        codes, scale = quant.fp4_quantize(jax.random.normal(ks[2], (B, T, 128), F32)
+                                          .astype(BF16), 32, "e8m0")
+        codes = quant.pack_nibbles(codes)
+        vis = jnp.stack([jnp.full((B,), T, jnp.int32), jnp.arange(B, dtype=jnp.int32) * 7], 1)
+        ref = np.asarray(pidx.index_scores(q, w, codes, scale, vis, impl="xla"))
+        for impl in impls:
+            if impl != "triton" and impl != "triton_interpret":
+                continue
+            name = f"indexer scores B={B} S=2 T={T}"
+            got = np.asarray(pidx.index_scores(q, w, codes, scale, vis, impl=impl))
+            fin = np.isfinite(ref)
+            d = np.abs(got - ref)[fin]
+            # a dot or head sum summed in another fp32 order can round to the next bf16
+            ok = bool(np.array_equal(np.isfinite(got), fin)
+                      and (d <= 2.0 ** -7 * np.abs(ref[fin]) + 1e-30).all())
+            out.append({"case": name, "impl": impl, "ok": ok, "max_abs": float(d.max()),
+                        "bitwise_equal_frac": float((d == 0).mean())})
+            print(f"{'ok  ' if ok else 'FAIL'} {name:34s} {impl:8s} max|d|={d.max():.3g} "
+                  f"bitwise={(d == 0).mean():.5f}", flush=True)
     try:
         from pallas_kernels import fp4
     except ImportError:
@@ -334,6 +386,7 @@ def main(argv=None) -> int:
                     help="';'-separated case-name prefixes for the correctness check")
     ap.add_argument("--no-check", action="store_true", help="timings only")
     ap.add_argument("--attention-only", action="store_true", help="no FP4 / indexer rows")
+    ap.add_argument("--no-attention", action="store_true", help="no sparse attention rows")
     ap.add_argument("--tunings", default=None,
                     help='JSON list of Triton tunings to time on every row, e.g. '
                          '\'[{"reuse_kv": true}, {"num_warps": 4}]\' (the default tuning first)')
@@ -379,12 +432,14 @@ def main(argv=None) -> int:
     if args.quick:
         decode = [(8, 4096), (64, 4096)]
     rows = []
+    if args.no_attention:
+        decode = []
     for B, T in decode:
         rows.append(attn_row(f"decode B={B} T={T}", B, 1, T, prefill=False, impls=impls,
                              tunings=tunings_for(B), inner=args.inner, reps=args.reps, roof=roof,
                              key=key))
         _write(args.out, dict(result, attention=rows))
-    for S, T in ([] if args.no_prefill else [(4096, 4096)] if not args.quick
+    for S, T in ([] if args.no_prefill or args.no_attention else [(4096, 4096)] if not args.quick
                  else [(1024, 1024)]):
         rows.append(attn_row(f"prefill S={S} T={T}", 1, S, T, prefill=True, impls=impls,
                              tunings=tunings_for(S), inner=args.inner, reps=args.reps, roof=roof,
@@ -396,7 +451,8 @@ def main(argv=None) -> int:
         return 1 if bad else 0
     fp4_impls = ["xla"] + (["triton" if plat == "triton" else plat] if plat != "xla" else [])
     result["fp4"] = fp4_rows(fp4_impls, args.inner, args.reps, roof, key)
-    result["indexer"] = [] if args.quick else indexer_rows(args.inner, args.reps, key)
+    result["indexer"] = [] if args.quick else indexer_rows(fp4_impls, args.inner, args.reps,
+                                                           roof, key)
     _write(args.out, result)
     print("\n| row | best impl | us | TFLOP/s | GB/s | x XLA | roofline |")
     print("|---|---|---|---|---|---|---|")

@@ -21,6 +21,7 @@ from dsv41_jax.layers import compressor, indexer
 from dsv41_jax.layers.linear import dequant_weight, linear, rms_norm
 from dsv41_jax.layers.rope import apply_rope, rope_angles
 from pallas_kernels import fp4
+from pallas_kernels import indexer as index_kernels
 from pallas_kernels.sparse_attention import blocked_sink_softmax
 from pallas_kernels.sparse_attention import sparse_attention as sparse_attention_op
 
@@ -41,6 +42,7 @@ class Chunk(NamedTuple):
     freqs: dict                    # RoPE frequencies per table kind (numpy fp32)
     attn_impl: str = "xla"         # sparse attention implementation (pallas_kernels IMPLS)
     win_width: int = 0             # prefill window-list width (0: W); min(S, W) on a fresh prefill
+    index_impl: str = "xla"        # indexer scores implementation (pallas_kernels.indexer IMPLS)
 
 
 # ----------------------------------------------------------------------------- sparse attention
@@ -209,9 +211,9 @@ def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, state, bus, c
             even = ((jnp.mod(ch.p0, 2) == 0) & ch.compat_stale_index_k)[:, None, None]
             codes = jnp.where(even, s1["index"][:, :t], codes)
             scale = jnp.where(even, s1["index_scale"][:, :t], scale)
-    k_idx = st.dequant_index_k(codes, scale)
     qi, w = indexer.index_queries(x, qr, p["indexer"], cfg, cos, sin)
-    score = indexer.index_scores(qi, w, k_idx, visible)
+    # scores straight from the packed FP4 indexer K (XLA: dequantise it all, then score)
+    score = index_kernels.index_scores(qi, w, codes, scale, visible, impl=ch.index_impl)
     if role.is_candidate_source:
         cand, bscore = indexer.candidate_pool(score, visible, cfg.candidate_topk_blocks,
                                               cfg.candidate_block_size)

@@ -58,6 +58,54 @@ def select_topk(score: Float[Array, "B S T"], k: int) -> Int[Array, "B S k"]:
     return jnp.where(idx == big, -1, idx)
 
 
+def _bf16_order_key(score: Float[Array, "..."]) -> Int[Array, "..."]:
+    """bf16-representable fp32 -> int32 key in [0, 65535] in IEEE total order (-0 < +0)."""
+    u = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(score, jnp.int32), 16)
+    return jnp.where(u >= 0x8000, 0xFFFF - u, u | 0x8000)
+
+
+def _chunked_rank(mask: Bool[Array, "R T"], chunk: int) -> Int[Array, "R T"]:
+    """Inclusive running count of ``mask`` along T (T a multiple of ``chunk``): a cumsum
+    inside chunks plus the exclusive cumsum of the chunk totals (two short scans, not one
+    over T)."""
+    R, T = mask.shape
+    m = mask.reshape(R, T // chunk, chunk).astype(jnp.int32)
+    inner = jnp.cumsum(m, axis=2)
+    offset = jnp.cumsum(inner[:, :, -1], axis=1) - inner[:, :, -1]
+    return (inner + offset[:, :, None]).reshape(R, T)
+
+
+def select_topk_radix(score: Float[Array, "B S T"], k: int) -> Int[Array, "B S k"]:
+    """:func:`select_topk` without sorting, for scores that are bf16-representable (the
+    indexer's; ``-inf`` and NaN allowed). Same result, bit for bit.
+
+    The k-th largest score is found on 16-bit order keys (IEEE total order, like
+    ``lax.top_k``) by a 16-way search: four rounds, each counting the entries at or above 15
+    candidate keys in one fused pass over the row. The picks are every entry above it plus the
+    lowest positions equal to it, compacted in position order with a chunked running count.
+    """
+    B, S, T = score.shape
+    k = min(k, T)
+    chunk = 256 if T > 256 else T
+    pad = -T % chunk
+    score = jnp.where(jnp.isnan(score), NEG_INF, score).reshape(B * S, T)
+    score = jnp.pad(score, ((0, 0), (0, pad)), constant_values=NEG_INF)   # -inf: never picked
+    key = _bf16_order_key(score)
+    v = jnp.zeros((B * S, 1), jnp.int32)
+    for shift in (12, 8, 4, 0):
+        cand = v + (jnp.arange(1, 16, dtype=jnp.int32) << shift)[None, :]       # [R, 15]
+        count = jnp.sum(key[:, None, :] >= cand[:, :, None], axis=2)             # [R, 15]
+        v = v + (jnp.sum(count >= k, axis=1, keepdims=True) << shift)
+    above = jnp.sum(key > v, axis=1, keepdims=True)
+    eq = key == v
+    sel = ((key > v) | (eq & (_chunked_rank(eq, chunk) <= k - above))) & (score > NEG_INF)
+    slot = jnp.where(sel, _chunked_rank(sel, chunk) - 1, k)                      # k: dropped
+    t = jnp.broadcast_to(jnp.arange(T + pad, dtype=jnp.int32), key.shape)
+    out = jnp.full((B * S, k), -1, jnp.int32).at[jnp.arange(B * S)[:, None], slot].set(
+        t, mode="drop")
+    return out.reshape(B, S, k)
+
+
 def candidate_pool(score: Float[Array, "B S T"], visible: Int[Array, "B S"], n_blocks: int,
                    block: int) -> tuple[Bool[Array, "B S T"], Float[Array, "B S NB"]]:
     """Block-max candidate pool (spec 3.7): ``(mask [B,S,T], block scores [B,S,NB])``.

@@ -158,34 +158,18 @@ def decode_scale(byte: jax.Array, fmt: str) -> jax.Array:
 # ----------------------------------------------------------------------------- e2m1
 
 
-def e2m1_code(bits: jax.Array, s: jax.Array, fmt: str = "index") -> jax.Array:
+def e2m1_code(bits: jax.Array, s: jax.Array) -> jax.Array:
     """e2m1 code (int32 0..15) of the value with fp32 bits ``bits`` under the scale ``s``.
 
-    Exactly ``quant._e2m1_code``, which counts the boundaries ``|x| <op> b * s`` passed (``b * s``
-    is exact; a tie rounds to the even code), with the sign bit of ``x`` (negative zero
-    included) in bit 3. For ``fmt="main"`` the code is found by a three-level search instead:
-    1.75 (codes 0-3 | 4-7), then 0.75 or 3.5, then 0.25, 1.25, 2.5 or 5. The first two levels'
-    boundaries sit below an even code (a tie goes up: ``>=``), the last level's above one
-    (``>``): 3 comparisons and 4 selects per value instead of 7 comparisons and 7 adds. The
-    search equals the count when the boundaries ``b * s`` are distinct, which holds for the
-    E4M3 scales of "main" (``2^-9 <= s <= 448``: every ``b * s`` is a normal float). MXFP4
-    scales ("index") reach 2^-126 and +inf, where the boundaries underflow (with flushed
-    subnormals) or overflow to equal values, and the count, not a search, is the reference.
+    Exactly ``quant._e2m1_code``: ``|x| <op> b * s`` for the seven boundaries (``b * s`` is
+    exact), the sign bit of ``x`` (negative zero included) in bit 3.
     """
     a = _f32(abs_bits(bits))
-    sign = (bits < 0).astype(I32) << 3
-    if fmt == "main":
-        b = {bound: s * np.float32(bound) for bound, _ in E2M1_BOUNDS}
-        hi = a >= b[1.75]
-        mid = a >= jnp.where(hi, b[3.5], b[0.75])
-        lo = a > jnp.where(hi, jnp.where(mid, b[5.0], b[2.5]),
-                           jnp.where(mid, b[1.25], b[0.25]))
-        return (hi.astype(I32) << 2) | (mid.astype(I32) << 1) | lo.astype(I32) | sign
     idx = jnp.zeros(bits.shape, I32)
-    for bound, up in E2M1_BOUNDS:
-        bs = s * np.float32(bound)
+    for b, up in E2M1_BOUNDS:
+        bs = s * np.float32(b)
         idx = idx + ((a >= bs) if up else (a > bs)).astype(I32)
-    return idx | sign
+    return idx | ((bits < 0).astype(I32) << 3)
 
 
 def e2m1_value(code: jax.Array) -> jax.Array:

@@ -91,8 +91,8 @@ def _quantize_kernel(w_ref, q_ref, s_ref, *, fmt, group_words):
         amax = jnp.maximum(amax, jnp.where(fwd_is_partner, fwd, bwd))
         d *= 2
     byte, s = codec.scale_from_amax(amax, fmt)
-    ce = codec.e2m1_code(even, s, fmt)
-    co = codec.e2m1_code(odd, s, fmt)
+    ce = codec.e2m1_code(even, s)
+    co = codec.e2m1_code(odd, s)
     q_ref[...] = (ce | (co << 4)).astype(jnp.uint8)
     # One byte per group: lane g*S of every row, via an exact 0/1 selection matmul.
     gp = -(-groups // _LANES) * _LANES

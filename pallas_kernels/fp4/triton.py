@@ -75,8 +75,8 @@ def _quantize_kernel(w_ref, q_ref, s_ref, *, fmt, n, block_rows, group_words):
     amax = jnp.max(amax.reshape(r, groups, group_words), axis=-1)
     byte, s = codec.scale_from_amax(amax, fmt)
     s = s[:, :, None]
-    ce = codec.e2m1_code(even.reshape(r, groups, group_words), s, fmt)
-    co = codec.e2m1_code(odd.reshape(r, groups, group_words), s, fmt)
+    ce = codec.e2m1_code(even.reshape(r, groups, group_words), s)
+    co = codec.e2m1_code(odd.reshape(r, groups, group_words), s)
     packed = (ce | (co << 4)).reshape(r, width).astype(jnp.uint8)
     pltr.store(q_ref, packed, mask=_row_mask(n, r, width))
     pltr.store(s_ref, byte.astype(jnp.uint8), mask=_row_mask(n, r, groups))

@@ -1,0 +1,141 @@
+"""The indexer-scores kernel (pallas_kernels.indexer) against the spec's formula in float64,
+its dispatch and errors, and its GPU build lowered on CPU for an H200."""
+
+from __future__ import annotations
+
+import functools
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.triton import gpu_info
+
+from dsv41_jax import quant
+from dsv41_jax import state as st
+from pallas_kernels import indexer as pidx
+from pallas_kernels.indexer import triton as itk
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def _inputs(B, S, I, J, T, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = quant.fp4_qdq(jax.random.normal(ks[0], (B, S, I, J), F32).astype(BF16), 32, "e8m0")
+    w = (jax.random.normal(ks[1], (B, S, I), F32) * 0.1).astype(BF16)
+    # keys with a spread of magnitudes, so the E8M0 scales vary from row to row and block to block
+    k = jax.random.normal(ks[2], (B, T, J), F32) * jnp.exp2(
+        jax.random.randint(ks[3], (B, T, J // 32), -6, 7).astype(F32)).repeat(32, -1)
+    codes, scale = quant.fp4_quantize(k.astype(BF16), 32, "e8m0")
+    return q, w, quant.pack_nibbles(codes), scale
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(x.astype(np.float32)).astype(BF16), np.float64)
+
+
+def _spec_scores(q, w, codes, scale, visible) -> np.ndarray:
+    """Spec 3.6 in float64: bf16(q.k), bf16(relu(.) * w_h), bf16(sum over heads), -inf masked.
+    (Every sum is exact in float64 before its one rounding.)"""
+    k = np.asarray(st.dequant_index_k(codes, scale), np.float64)
+    dot = _bf16(np.einsum("bsij,btj->bsit", np.asarray(q, np.float64), k))
+    prod = _bf16(np.maximum(dot, 0) * np.asarray(w, np.float64)[..., None])
+    score = _bf16(prod.sum(2))
+    t = np.arange(codes.shape[1])
+    return np.where(t[None, None] < np.asarray(visible)[..., None], score, -np.inf)
+
+
+@pytest.mark.parametrize("B, S, I, J, T, tune", [
+    (2, 3, 16, 128, 300, {}),                   # a partial last block of entries
+    (1, 2, 32, 128, 256, {"block_t": 32}),      # the release head count, 8 blocks
+    (2, 1, 4, 64, 70, {"block_t": 16}),         # the small test configs' indexer (interpret only)
+])
+def test_kernel_matches_spec(B, S, I, J, T, tune):
+    q, w, codes, scale = _inputs(B, S, I, J, T)
+    visible = jnp.asarray(np.random.default_rng(0).integers(0, T + 1, (B, S)), jnp.int32)
+    visible = visible.at[0, 0].set(T).at[-1, -1].set(0)      # all entries, and none
+    got = np.asarray(pidx.index_scores(q, w, codes, scale, visible, impl="triton_interpret",
+                                       **tune))
+    want = _spec_scores(q, w, codes, scale, visible)
+    assert got.shape == want.shape and got.dtype == np.float32
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), fin)
+    assert (got[~fin] == -np.inf).all()
+    # only the fp32 order of the head sum and the dot differs from the spec's exact sums:
+    # at most one bf16 rounding step, rarely
+    d = np.abs(got[fin] - want[fin])
+    assert (d <= 2.0 ** -7 * np.abs(want[fin])).all(), d.max()
+    assert (d == 0).mean() > 0.99, (d == 0).mean()
+    # and the XLA implementation (dequantise all, then score) is the same op
+    ref = np.asarray(pidx.index_scores(q, w, codes, scale, visible, impl="xla"))
+    np.testing.assert_array_equal(np.isfinite(ref), fin)
+
+
+def test_dispatch_and_errors():
+    q, w, codes, scale = _inputs(1, 1, 16, 128, 40)
+    vis = jnp.full((1, 1), 40, jnp.int32)
+    assert pidx.resolve_impl("auto", 32, 128, backend="cpu") == "xla"
+    assert pidx.resolve_impl("auto", 32, 128, backend="gpu") == "triton"
+    assert pidx.resolve_impl("auto", 4, 64, backend="gpu") == "xla"       # not tiled on a GPU
+    assert pidx.impl_for_family("xla", 32, 128) == "xla"
+    assert pidx.impl_for_family("mosaic_tpu", 32, 128) == "xla"
+    assert pidx.impl_for_family("triton", 4, 64) == "xla"
+    assert pidx.impl_for_family("triton", 32, 128) == "triton"
+    assert pidx.impl_for_family("triton_interpret", 4, 64) == "triton_interpret"
+    assert pidx.impl_for_family("auto", 32, 128, backend="gpu") == "triton"
+    with pytest.raises(ValueError, match="attn_impl"):
+        pidx.impl_for_family("cuda", 32, 128)
+    with pytest.raises(ValueError, match="impl"):
+        pidx.index_scores(q, w, codes, scale, vis, impl="gpu")
+    with pytest.raises(ValueError, match="codes"):
+        pidx.index_scores(q, w, codes[:, :, :32], scale, vis, impl="xla")
+    with pytest.raises(ValueError, match="scale"):
+        pidx.index_scores(q, w, codes, scale[:, :, :2], vis, impl="xla")
+    with pytest.raises(ValueError, match="visible"):
+        pidx.index_scores(q, w, codes, scale, vis[:, :0], impl="xla")
+    with pytest.raises(ValueError, match="q"):
+        pidx.index_scores(q.astype(F32), w, codes, scale, vis, impl="xla")
+    with pytest.raises(ValueError, match="block_t"):
+        pidx.index_scores(q, w, codes, scale, vis, impl="triton_interpret", block_t=48)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        itk.index_scores(q[..., :64], w, codes[..., :32], scale[..., :2], vis)
+    empty = pidx.index_scores(q, w, codes[:, :0], scale[:, :0], vis, impl="triton_interpret")
+    assert empty.shape == (1, 1, 0)
+
+
+@pytest.mark.parametrize("tune", [{}, {"block_t": 256, "num_warps": 8}])
+def test_gpu_kernel_lowers_for_h200(tune):
+    args = (jax.ShapeDtypeStruct((8, 1, 32, 128), BF16), jax.ShapeDtypeStruct((8, 1, 32), BF16),
+            jax.ShapeDtypeStruct((8, 4000, 64), jnp.uint8),
+            jax.ShapeDtypeStruct((8, 4000, 4), jnp.uint8), jax.ShapeDtypeStruct((8, 1), jnp.int32))
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    f = jax.jit(functools.partial(itk.index_scores, **tune))
+    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
+        exported = jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(*args)
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
+    assert [o.shape for o in exported.out_avals] == [(8, 1, 4000)]
+
+
+def test_radix_topk_equals_sorting_topk():
+    """``select_topk_radix`` (16-way key search, no sort) gives ``select_topk``'s result bit for
+    bit: ties at the threshold go to the lower positions, -0 < +0 as in ``lax.top_k``, NaN and
+    -inf are never picked (-1 at the end), k larger than T or than the finite entries."""
+    from dsv41_jax.layers import indexer
+    rng = np.random.default_rng(0)
+    sort_k = jax.jit(indexer.select_topk, static_argnums=1)
+    radix_k = jax.jit(indexer.select_topk_radix, static_argnums=1)
+    for trial in range(24):
+        T = int(rng.integers(1, 2000))
+        k = int(rng.integers(1, 600))
+        x = [rng.standard_normal((2, 3, T)),
+             rng.integers(-3, 4, (2, 3, T)) * 0.5,                                # many ties
+             rng.choice([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan], (2, 3, T)),
+             rng.standard_normal((2, 3, T)) * 10.0 ** rng.integers(-30, 30, (2, 3, T)),
+             ][trial % 4]
+        x = jnp.asarray(x, F32).astype(BF16).astype(F32)
+        vis = rng.integers(0, T + 1, (2, 3))
+        x = jnp.where(jnp.arange(T)[None, None] < vis[..., None], x, -jnp.inf)
+        np.testing.assert_array_equal(np.asarray(radix_k(x, k)), np.asarray(sort_k(x, k)),
+                                      err_msg=f"trial {trial}: T={T} k={k}")
