@@ -3,20 +3,15 @@
 Numerics note: XLA may keep bf16 intermediates in fp32 inside a fusion
 (``--xla_allow_excess_precision``, on by default), which silently skips the reference's bf16
 roundings (measured: 8.6e-4 error in the mHC coefficients of layer 0 of ``tiny-a-bf16``).
-XLA:CPU's YNNPACK library fusions (``--xla_cpu_experimental_ynn_fusion_type``) skip them too,
-even with excess precision off: jitted ``sum(f32(bf16(relu(a) * b)))`` differed from the
-eager result in 41% of outputs (the indexer's score formula, spec 3.6). Importing this package
-turns both off through ``XLA_FLAGS`` unless the caller set the flag; import ``dsv41_jax``
-before JAX initialises its backends.
+Importing this package turns that off through ``XLA_FLAGS`` unless the caller set the flag;
+import ``dsv41_jax`` before JAX initialises its backends.
 """
 
 import os as _os
 
-for _flag, _off in (("xla_allow_excess_precision", "false"),
-                    ("xla_cpu_experimental_ynn_fusion_type", "")):
-    if _flag not in _os.environ.get("XLA_FLAGS", ""):
-        _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "")
-                                    + f" --{_flag}={_off}").strip()
+if "xla_allow_excess_precision" not in _os.environ.get("XLA_FLAGS", ""):
+    _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "")
+                                + " --xla_allow_excess_precision=false").strip()
 
 from dsv41_jax.config import LayerPlan, LayerRole, ModelConfig  # noqa: E402
 from dsv41_jax.checkpoint import load_params, params_from_tensors, read_checkpoint  # noqa: E402

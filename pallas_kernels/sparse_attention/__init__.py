@@ -8,8 +8,11 @@ One public op, :func:`sparse_attention`, with several implementations behind ``i
   and dequantised in the kernel, no bf16 copy of the KV is written to HBM.
 * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel (``tpu.py``): the index lists are prefetched to
   scalar memory and drive one row DMA per entry.
-* ``"triton_interpret"`` / ``"mosaic_tpu_interpret"``: the same kernels in Pallas interpret
-  mode (CPU tests).
+* ``"mosaic_gpu"``: Pallas Mosaic GPU prototype for Hopper (``mosaic_gpu.py``): per-row TMA
+  gathers, the block dequantised once into a shared bf16 tile, ``wgmma`` for both products;
+  64 heads x 512 only. Opt-in: correct on the H200 but 1.4-2x slower than ``triton`` so far.
+* ``"triton_interpret"`` / ``"mosaic_tpu_interpret"`` / ``"mosaic_gpu_interpret"``: the same
+  kernels in Pallas interpret mode (CPU tests).
 * ``"auto"``: ``triton`` on GPU for calls of >= 64 query rows, ``xla`` otherwise
   (see :func:`resolve_impl`).
 """
@@ -24,7 +27,8 @@ from pallas_kernels.sparse_attention.reference import (SOFTMAX_BLOCK, blocked_si
                                                        dequant_main, dequant_window, pad_list,
                                                        sparse_attention_xla)
 
-IMPLS = ("auto", "xla", "triton", "mosaic_tpu", "triton_interpret", "mosaic_tpu_interpret")
+IMPLS = ("auto", "xla", "triton", "mosaic_tpu", "mosaic_gpu", "triton_interpret",
+         "mosaic_tpu_interpret", "mosaic_gpu_interpret")
 
 __all__ = ["IMPLS", "SOFTMAX_BLOCK", "TRITON_MIN_ROWS", "blocked_sink_softmax", "dequant_main",
            "dequant_window", "pad_list", "resolve_impl", "sparse_attention",
@@ -130,6 +134,12 @@ def sparse_attention(q: Float[Array, "B S H K"], win_kv, win_scale, win_idx: Int
         return kernel.sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk,
                                        sink, scale, interpret=impl.endswith("interpret"),
                                        **tuning)
+    if impl in ("mosaic_gpu", "mosaic_gpu_interpret"):
+        if tuning:
+            raise ValueError(f"impl={impl!r} takes no tuning keywords, got {sorted(tuning)}")
+        from pallas_kernels.sparse_attention import mosaic_gpu as kernel
+        return kernel.sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk,
+                                       sink, scale, interpret=impl.endswith("interpret"))
     from pallas_kernels.sparse_attention import tpu as kernel
     return kernel.sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink,
                                    scale, interpret=impl.endswith("interpret"), **tuning)
