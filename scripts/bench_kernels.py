@@ -5,7 +5,8 @@ Real dimensions of the release model: 64 heads, latent 512, window 128, top-k 51
 * sparse decode attention at batch 1, 8, 64, 256 with 4K and 64K global entries;
 * sparse prefill attention at 4096 queries (one sequence; window rows from the chunk);
 * FP4 quantise-and-pack of main KV and indexer K (GB/s);
-* the XLA indexer scoring + top-k of one decode step over the whole context (for scale).
+* the indexer of one decode step over the whole context: scores from the packed FP4 indexer K
+  (XLA and the Triton kernel), the top-k selection (sort and radix), and both together.
 
 Every row gives microseconds, TFLOP/s, effective GB/s (bytes the op must touch: queries, the
 gathered packed rows, outputs), the ratio to the XLA path measured in the same run, and the
@@ -244,17 +245,20 @@ def indexer_rows(impls, inner, reps, roof, key):
         fns = {f"scores {impl}": (lambda q, w, c, s, v, impl=impl:
                                   pidx.index_scores(q, w, c, s, v, impl=impl))
                for impl in impls}
-        def scores(q, v):   # bf16-representable stand-in scores, as the indexer's
-            x = q[:, :, 0, :1].astype(F32) * jnp.sin(jnp.arange(T, dtype=F32))
-            return jnp.where(jnp.arange(T) < v[..., None], x.astype(BF16).astype(F32), -jnp.inf)
-        fns["top-k sort (xla)"] = lambda q, w, c, s, v: indexer.select_topk(scores(q, v), TOPK)
-        fns["top-k radix (xla)"] = lambda q, w, c, s, v: indexer.select_topk_radix(
-            scores(q, v), TOPK)
         fns["model path (xla)"] = lambda q, w, c, s, v: indexer.select_topk(
             indexer.index_scores(q, w, st.dequant_index_k(c, s), v), TOPK)
         if "triton" in impls:
             fns["model path (triton)"] = lambda q, w, c, s, v: indexer.select_topk_radix(
                 pidx.index_scores(q, w, c, s, v, impl="triton"), TOPK)
+        # the selection alone, on precomputed bf16-representable scores (as the indexer's)
+        topk_sets = [(jnp.where(jnp.arange(T) < vis[..., None],
+                                jax.random.normal(jax.random.fold_in(ks[3], i), (B, 1, T), F32)
+                                .astype(BF16).astype(F32), -jnp.inf),) for i in range(len(sets))]
+        for label, fn in (("top-k sort (xla)", indexer.select_topk),
+                          ("top-k radix (xla)", indexer.select_topk_radix)):
+            t = time_fn(lambda x, fn=fn: fn(x, TOPK), topk_sets, reps)
+            res["impls"][label] = {"us": t * 1e6}
+            print(f"  indexer decode B={B:3d} T={T:6d} {label:20s} {t * 1e6:9.1f} us", flush=True)
         for label, fn in fns.items():
             try:
                 t = time_fn(fn, sets, reps)

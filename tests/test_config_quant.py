@@ -7,6 +7,7 @@ import copy
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -396,3 +397,20 @@ def test_fp4_qdq_matches_numpy_spec(block, fmt):
         np.testing.assert_array_equal(
             s, np.minimum(amax / np.float32(6), np.float32(448))            # satfinite
             .astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+@pytest.mark.xfail(strict=True, reason="known: XLA:CPU's YNNPACK fusion drops the inner bf16 "
+                   "rounding under jit; the flag that fixes it moves the compat-switch parity "
+                   "heuristic below its threshold (see dsv41_jax/__init__.py)")
+def test_jit_keeps_the_spec_bf16_roundings():
+    """The indexer's ``bf16(sum_h f32(bf16(relu(dot) * w_h)))`` (spec 3.6) jitted on CPU
+    equals its eager value. Strict xfail: it fails today (41% of these outputs differ), and
+    XPASS will flag the day the deviation is gone."""
+    def f(a, b):
+        prod = (jnp.maximum(a, 0) * b).astype(jnp.bfloat16).astype(jnp.float32)
+        return jnp.sum(prod, axis=1).astype(jnp.bfloat16)
+    a = jax.random.normal(jax.random.PRNGKey(2), (4, 32, 300)).astype(jnp.bfloat16)
+    a = a.astype(jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(3), (4, 32, 1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(a, b), np.float32),
+                                  np.asarray(f(a, b), np.float32))

@@ -46,6 +46,9 @@ def _spec_scores(q, w, codes, scale, visible) -> np.ndarray:
     return np.where(t[None, None] < np.asarray(visible)[..., None], score, -np.inf)
 
 
+# (The 32-head case uses 32-entry blocks: with larger ones XLA:CPU's YNNPACK fusion of the
+# interpret-mode program drops the inner bf16 rounding, a CPU-only deviation documented in
+# dsv41_jax/__init__.py and pinned by tests/test_config_quant.py.)
 @pytest.mark.parametrize("B, S, I, J, T, tune", [
     (2, 3, 16, 128, 300, {}),                   # a partial last block of entries
     (1, 2, 32, 128, 256, {"block_t": 32}),      # the release head count, 8 blocks
@@ -67,9 +70,11 @@ def test_kernel_matches_spec(B, S, I, J, T, tune):
     d = np.abs(got[fin] - want[fin])
     assert (d <= 2.0 ** -7 * np.abs(want[fin])).all(), d.max()
     assert (d == 0).mean() > 0.99, (d == 0).mean()
-    # and the XLA implementation (dequantise all, then score) is the same op
+    # and the XLA implementation (dequantise all, then score) is the same op: the same masked
+    # entries, every score within one bf16 rounding of the kernel's
     ref = np.asarray(pidx.index_scores(q, w, codes, scale, visible, impl="xla"))
     np.testing.assert_array_equal(np.isfinite(ref), fin)
+    assert (np.abs(ref[fin] - got[fin]) <= 2.0 ** -7 * np.abs(want[fin])).all()
 
 
 def test_dispatch_and_errors():
@@ -84,6 +89,9 @@ def test_dispatch_and_errors():
     assert pidx.impl_for_family("triton", 32, 128) == "triton"
     assert pidx.impl_for_family("triton_interpret", 4, 64) == "triton_interpret"
     assert pidx.impl_for_family("auto", 32, 128, backend="gpu") == "triton"
+    assert pidx.impl_for_family("mosaic_gpu", 32, 128) == "xla"
+    with pytest.raises(ValueError, match="GPU"):
+        pidx.index_scores(q, w, codes, scale, vis, impl="triton")      # this is a CPU run
     with pytest.raises(ValueError, match="attn_impl"):
         pidx.impl_for_family("cuda", 32, 128)
     with pytest.raises(ValueError, match="impl"):
@@ -139,3 +147,5 @@ def test_radix_topk_equals_sorting_topk():
         x = jnp.where(jnp.arange(T)[None, None] < vis[..., None], x, -jnp.inf)
         np.testing.assert_array_equal(np.asarray(radix_k(x, k)), np.asarray(sort_k(x, k)),
                                       err_msg=f"trial {trial}: T={T} k={k}")
+    empty = jnp.zeros((2, 3, 0), F32)     # an empty KV source (a state of capacity 1)
+    assert radix_k(empty, 8).shape == sort_k(empty, 8).shape == (2, 3, 0)

@@ -76,8 +76,10 @@ def _chunked_rank(mask: Bool[Array, "R T"], chunk: int) -> Int[Array, "R T"]:
 
 
 def select_topk_radix(score: Float[Array, "B S T"], k: int) -> Int[Array, "B S k"]:
-    """:func:`select_topk` without sorting, for scores that are bf16-representable (the
-    indexer's; ``-inf`` and NaN allowed). Same result, bit for bit.
+    """:func:`select_topk` without sorting, for fp32 scores that are bf16-representable (the
+    indexer's, see :func:`index_scores`; ``-inf`` and NaN allowed). Same result, bit for bit.
+    The precondition is not checked (the values are traced): other fp32 scores are ranked by
+    their upper 16 bits, so near-ties can pick differently from ``select_topk``.
 
     The k-th largest score is found on 16-bit order keys (IEEE total order, like
     ``lax.top_k``) by a 16-way search: four rounds, each counting the entries at or above 15
@@ -86,6 +88,8 @@ def select_topk_radix(score: Float[Array, "B S T"], k: int) -> Int[Array, "B S k
     """
     B, S, T = score.shape
     k = min(k, T)
+    if T == 0:   # nothing to select (an empty KV source), as select_topk
+        return jnp.zeros((B, S, 0), jnp.int32)
     chunk = 256 if T > 256 else T
     pad = -T % chunk
     score = jnp.where(jnp.isnan(score), NEG_INF, score).reshape(B * S, T)

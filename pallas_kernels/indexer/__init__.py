@@ -42,8 +42,8 @@ def impl_for_family(attn_impl: str, heads: int, head_dim: int, backend: str | No
     ``"auto"`` and ``"triton"``: the Triton kernel on a GPU where it tiles the shapes (at every
     batch size: it reads the packed K instead of dequantising all of it, measured 1.4x-5.9x
     faster than XLA on the H200), else XLA; ``"triton_interpret"``: the kernel in interpret mode;
-    ``"xla"`` and the Mosaic TPU family (no TPU indexer kernel yet): XLA. Raises
-    ``ValueError`` for an unknown family.
+    ``"xla"``, the Mosaic TPU family (no TPU indexer kernel yet) and the Mosaic GPU prototype
+    family: XLA. Raises ``ValueError`` for an unknown family.
     """
     from pallas_kernels.indexer import triton
     from pallas_kernels.sparse_attention import IMPLS as FAMILIES
@@ -74,8 +74,8 @@ def index_scores(q: BFloat16[Array, "B S I J"], w: BFloat16[Array, "B S I"],
     Returns:
       fp32 [B, S, T]: ``bf16(sum_h bf16(relu(bf16(q_h . k)) * w_h))`` (spec 3.6).
     Raises:
-      ValueError: unknown ``impl``, shapes or dtypes that do not match, shapes the Triton
-      kernel does not tile when it is asked for.
+      ValueError: unknown ``impl``, ``"triton"`` without a GPU, shapes or dtypes that do not
+      match, shapes the Triton kernel does not tile when it is asked for.
     """
     import jax.numpy as jnp
     B, S, I, J = q.shape
@@ -92,6 +92,9 @@ def index_scores(q: BFloat16[Array, "B S I J"], w: BFloat16[Array, "B S I"],
         if jnp.dtype(x.dtype) != jnp.dtype(dt):
             raise ValueError(f"{name}: expected {jnp.dtype(dt).name}, got {x.dtype}")
     impl = resolve_impl(impl, I, J)
+    if impl == "triton" and jax.default_backend() not in ("gpu", "cuda"):
+        raise ValueError(f"impl='triton' needs a GPU backend (got {jax.default_backend()!r}); "
+                         "use 'triton_interpret' on CPU")
     if impl == "xla":
         from dsv41_jax import state as st
         from dsv41_jax.layers import indexer

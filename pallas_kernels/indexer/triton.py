@@ -49,12 +49,13 @@ def _kernel(q_ref, w_ref, vis_ref, k_ref, sc_ref, o_ref, *, S, T, J, block_t, in
     row = jnp.minimum(t, T - 1)
     col = jax.lax.broadcasted_iota(I32, (1, kc), 1)                            # word w
     words = k_ref[b, row, col]                                                 # [BT, kc]
-    # E8M0 byte u -> 2**(u-127) * 2**14 (undoes e2m1_over_16384's 2**-14 in one exact product
-    # for the scales the quantiser produces; byte 0 only marks a NaN block)
+    # E8M0 byte u -> 2**(u-127) (the fp32 with exponent field u; byte 0, which the quantiser
+    # never writes (its floor is byte 1), reads as 0 instead of 2**-127)
     s = sc_ref[b, row, col // 4].astype(I32)
     s = jax.lax.bitcast_convert_type(s << 23, F32)
     acc = None
     for c in range(N_CLS):
+        # e2m1 value (exact: * 2**14 undoes e2m1_over_16384) times the scale, exact in bf16
         kv = ((e2m1_over_16384((words >> (4 * c)) & 15) * 16384.0) * s).astype(BF16)
         qc = q_ref[:, pl.ds(c, kc, stride=N_CLS)]                              # [I, kc]
         if interpret:  # XLA:CPU has no bf16 x bf16 -> f32 dot; f32 operands are exact
@@ -62,7 +63,9 @@ def _kernel(q_ref, w_ref, vis_ref, k_ref, sc_ref, o_ref, *, S, T, J, block_t, in
         part = jax.lax.dot_general(qc, kv, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         acc = part if acc is None else acc + part                              # [I, BT]
     dot = acc.astype(BF16).astype(F32)
-    prod = (jnp.maximum(dot, 0.0) * w_ref[...].astype(F32)[:, None]).astype(BF16).astype(F32)
+    # relu that keeps NaN like XLA's maximum (Triton lowers a float max to NaN-dropping maxnumf)
+    relu = jnp.where(jnp.isnan(dot), dot, jnp.maximum(dot, 0.0))
+    prod = (relu * w_ref[...].astype(F32)[:, None]).astype(BF16).astype(F32)
     score = jnp.sum(prod, axis=0).astype(BF16).astype(F32)                      # [BT]
     tt = tb * block_t + jax.lax.broadcasted_iota(I32, (block_t,), 0)
     o_ref[...] = jnp.where(tt < vis_ref[0], score, -jnp.inf)
