@@ -76,6 +76,17 @@ def make_inputs(key, B: int, S: int, T: int, *, prefill: bool):
     return q, win_kv, win_scale, widx, main, main_scale, topk, sink
 
 
+def make_indexer_inputs(key, B: int, S: int, T: int):
+    """Indexer inputs at the release dims (32 heads x 128): FP4-QDQ'd queries, head weights,
+    and T packed MXFP4 indexer-K rows per batch row (codes, E8M0 scale bytes)."""
+    ks = jax.random.split(key, 3)
+    q = quant.fp4_qdq(jax.random.normal(ks[0], (B, S, 32, 128), F32).astype(BF16), 32, "e8m0")
+    w = (jax.random.normal(ks[1], (B, S, 32), F32) * 0.1).astype(BF16)
+    codes, scale = quant.fp4_quantize(jax.random.normal(ks[2], (B, T, 128), F32).astype(BF16),
+                                      32, "e8m0")
+    return q, w, quant.pack_nibbles(codes), scale
+
+
 def op_cost(B, S, T):
     """(flops, bytes) of one call: 4*K flops per (query, head, listed entry); bytes of the
     queries + outputs + the packed rows each query gathers (window FP8, main KV FP4)."""
@@ -229,12 +240,7 @@ def indexer_rows(impls, inner, reps, roof, key):
     rows = []
     for B, T in ((1, 32768), (8, 32768), (64, 32768), (8, 65536)):
         ks = jax.random.split(key, 4)
-        q = quant.fp4_qdq(jax.random.normal(ks[0], (B, 1, 32, 128), F32).astype(BF16), 32,
-                          "e8m0")
-        w = (jax.random.normal(ks[1], (B, 1, 32), F32) * 0.1).astype(BF16)
-        codes, scale = quant.fp4_quantize(jax.random.normal(ks[2], (B, T, 128), F32)
-                                          .astype(BF16), 32, "e8m0")
-        codes = quant.pack_nibbles(codes)
+        q, w, codes, scale = make_indexer_inputs(ks[0], B, 1, T)
         vis = jnp.full((B, 1), T, jnp.int32)
         sets = [(q + jnp.asarray(i, BF16), w, codes, scale, vis)
                 for i in range(max(2, inner // 2))]
@@ -329,13 +335,7 @@ def check(key, impls, only=None) -> list[dict]:
                   f" lse|d|={lse_d:.2g}", flush=True)
     from pallas_kernels import indexer as pidx
     for B, T in ((8, 32768), (2, 1000)):
-        ks = jax.random.split(jax.random.fold_in(key, T), 3)
-        q = quant.fp4_qdq(jax.random.normal(ks[0], (B, 2, 32, 128), F32).astype(BF16), 32,
-                          "e8m0")
-        w = (jax.random.normal(ks[1], (B, 2, 32), F32) * 0.1).astype(BF16)
-        codes, scale = quant.fp4_quantize(jax.random.normal(ks[2], (B, T, 128), F32)
-                                          .astype(BF16), 32, "e8m0")
-        codes = quant.pack_nibbles(codes)
+        q, w, codes, scale = make_indexer_inputs(jax.random.fold_in(key, T), B, 2, T)
         vis = jnp.stack([jnp.full((B,), T, jnp.int32), jnp.arange(B, dtype=jnp.int32) * 7], 1)
         ref = np.asarray(pidx.index_scores(q, w, codes, scale, vis, impl="xla"))
         for impl in impls:
