@@ -9,11 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.sparse_attention import mosaic_gpu as mg
 from pallas_kernels.sparse_attention.reference import sparse_attention_xla
 from test_sparse_attention import make_inputs
-
-
-from pallas_kernels.sparse_attention import mosaic_gpu as mg
 
 H, K = 64, 512
 SCALE = K ** -0.5
