@@ -164,6 +164,9 @@ def attn_row(name, B, S, T, *, prefill, impls, tunings, inner, reps, roof, key):
     flops, byts = op_cost(B, S, T)
     # distinct inputs per call, enough that the calls of one timed jit do not hit in L2
     n_in = int(min(64, max(inner if B * S < 4096 else 2, -(-256e6 // byts))))
+    # ... but within the device's memory: the XLA path dequantises each set's whole main KV
+    # to bf16 (B x T x K x 2 bytes: 17 GB at B=256, T=64K) inside the timed jit
+    n_in = max(1, min(n_in, int(40e9 // (B * T * K * 2))))
     sets = [make_inputs(jax.random.fold_in(key, i), B, S, T, prefill=prefill)
             for i in range(n_in)]
     res = {"name": name, "B": B, "S": S, "T": T, "flops": flops, "bytes": byts, "impls": {}}
@@ -287,9 +290,10 @@ def indexer_rows(impls, inner, reps, roof, key):
 # ----------------------------------------------------------------------------- check
 
 
-def check(key, impls, only=None) -> list[dict]:
+def check(key, impls, only=None, tunings=({},)) -> list[dict]:
     """Kernel outputs against the XLA path on real-size inputs (prints and returns rows);
-    ``only``: case-name prefixes to run (default all)."""
+    ``only``: case-name prefixes to run (default all); ``tunings``: Triton tunings checked on
+    every case (on top of the case's own)."""
     out = []
     cases = [("decode B=8 T=4096", 8, 1, 4096, False, {}),
              ("decode B=8 T=300 (short top-k)", 8, 1, 300, False, {}),
@@ -309,15 +313,15 @@ def check(key, impls, only=None) -> list[dict]:
         rows = jnp.concatenate([sa.dequant_window(args[1], args[2]).reshape(-1, K),
                                 sa.dequant_main(args[4][:, :256], args[5][:, :256]).reshape(-1, K)])
         rms = float(jnp.sqrt(jnp.mean(jnp.square(rows.astype(F32)))))
-        for impl in impls:
-            if impl == "xla":
-                continue
+        for impl, extra in [(i, t) for i in impls if i != "xla"
+                            for t in (tunings if i == "triton" else [{}])]:
+            label = impl + "".join(f" {k}={v}" for k, v in extra.items())
             try:
-                o1, l1 = sa.sparse_attention(*args, impl=impl, **(tune if impl == "triton"
-                                                                    else {}))
+                o1, l1 = sa.sparse_attention(*args, impl=impl, **(dict(tune, **extra)
+                                                                    if impl == "triton" else {}))
             except Exception as e:  # noqa: BLE001
-                out.append({"case": name, "impl": impl, "ok": False, "error": str(e)[:400]})
-                print(f"FAIL {name} {impl}: {e}", flush=True)
+                out.append({"case": name, "impl": label, "ok": False, "error": str(e)[:400]})
+                print(f"FAIL {name} {label}: {e}", flush=True)
                 continue
             o1 = np.asarray(o1, np.float32)
             d = np.abs(o1 - o0)
@@ -326,11 +330,11 @@ def check(key, impls, only=None) -> list[dict]:
             tol = 2 * np.maximum(np.abs(o0), 2.0 ** -30) * 2.0 ** -7 + 2.0 ** -8 * rms
             lse_d = float(np.abs(np.asarray(l1) - np.asarray(l0)).max())
             ok = bool((d <= tol).all() and lse_d < 1e-3 and (o1[0, 0] == 0).all())
-            row = {"case": name, "impl": impl, "ok": ok, "max_abs": float(d.max()),
+            row = {"case": name, "impl": label, "ok": ok, "max_abs": float(d.max()),
                    "bitwise_equal_frac": float((d == 0).mean()),
                    "within_tol_frac": float((d <= tol).mean()), "lse_max_abs": lse_d}
             out.append(row)
-            print(f"{'ok  ' if ok else 'FAIL'} {name:34s} {impl:8s} max|d|={d.max():.3g} "
+            print(f"{'ok  ' if ok else 'FAIL'} {name:34s} {label:8s} max|d|={d.max():.3g} "
                   f"bitwise={row['bitwise_equal_frac']:.4f} in-tol={row['within_tol_frac']:.5f}"
                   f" lse|d|={lse_d:.2g}", flush=True)
     from pallas_kernels import indexer as pidx
@@ -396,11 +400,13 @@ def main(argv=None) -> int:
     ap.add_argument("--check-cases", default=None,
                     help="';'-separated case-name prefixes for the correctness check")
     ap.add_argument("--no-check", action="store_true", help="timings only")
+    ap.add_argument("--check-tunings", default=None,
+                    help="JSON list of Triton tunings to check besides the default")
     ap.add_argument("--attention-only", action="store_true", help="no FP4 / indexer rows")
     ap.add_argument("--no-attention", action="store_true", help="no sparse attention rows")
     ap.add_argument("--tunings", default=None,
                     help='JSON list of Triton tunings to time on every row, e.g. '
-                         '\'[{"reuse_kv": true}, {"num_warps": 4}]\' (the default tuning first)')
+                         '\'[{"n_chunks": 4}, {"prefetch": "index"}]\' (the default tuning first)')
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     plat = sa.resolve_impl("auto")
@@ -411,7 +417,8 @@ def main(argv=None) -> int:
     result = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
               "dims": {"heads": H, "latent": K, "window": W, "topk": TOPK}}
     result["check"] = [] if args.no_check else check(
-        key, impls, args.check_cases.split(";") if args.check_cases else None)
+        key, impls, args.check_cases.split(";") if args.check_cases else None,
+        [{}] + (json.loads(args.check_tunings) if args.check_tunings else []))
     bad = [c for c in result["check"] if not c["ok"]]
     if args.check:
         _write(args.out, result)

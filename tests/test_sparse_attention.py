@@ -40,11 +40,13 @@ CASES = {
     "window 128 + top-k 128, 2 blocks each": (dict(K=128, Ww=128, k=128, Nw=130, T=300),
                                               dict(n_splits=1), True),
     "split list, 4 heads per program": (dict(Ww=70, k=130), dict(n_splits=3, block_h=4), False),
-    "channels split over 2 programs, block kept for PV": (
-        dict(K=128, Ww=128, k=128, Nw=130, T=300), dict(n_splits=1, n_dsplit=2, reuse_kv=True),
-        True),
-    "4 channel classes, 4 channel parts, splits": (dict(Ww=70, k=130),
-                                                   dict(n_splits=3, n_cls=4, n_dsplit=4), False),
+    "one chunk of 128 channels, next block's list entries ahead": (
+        dict(K=128, Ww=128, k=128, Nw=130, T=300), dict(n_splits=1, n_chunks=1,
+                                                        prefetch="index"), True),
+    "4 chunks of 32 channels, rows loaded after the scores, splits": (
+        dict(Ww=70, k=130), dict(n_splits=3, n_chunks=4, prefetch="late"), False),
+    "head dim 64, next block's list entries ahead, splits over a mixed block": (
+        dict(K=64, Ww=100, k=200, Nw=120, T=300), dict(n_splits=3, prefetch="index"), False),
 }
 
 
@@ -126,12 +128,14 @@ def test_dispatch_and_errors():
         sa.sparse_attention(args[0].astype(jnp.float32), *args[1:], impl="xla")
     with pytest.raises(ValueError, match="block_h"):
         sa.sparse_attention(*args, impl="triton_interpret", block_h=3)
-    with pytest.raises(ValueError, match="n_dsplit"):
-        sa.sparse_attention(*args, impl="triton_interpret", n_dsplit=3)
+    with pytest.raises(ValueError, match="n_chunks"):
+        sa.sparse_attention(*args, impl="triton_interpret", n_chunks=3)
+    with pytest.raises(ValueError, match="n_chunks"):   # chunks of 16 channels: K=128 / 8
+        sa.sparse_attention(*args, impl="triton_interpret", n_chunks=8)
     with pytest.raises(ValueError, match="dequant"):
         sa.sparse_attention(*args, impl="triton_interpret", dequant="lut")
-    with pytest.raises(ValueError, match="8 channel classes"):
-        sa.sparse_attention(*args, impl="triton_interpret", dequant="asm", n_cls=4)
+    with pytest.raises(ValueError, match="prefetch"):
+        sa.sparse_attention(*args, impl="triton_interpret", prefetch="early")
 
 
 def test_model_with_kernels_matches_xla_path(tiny_a):

@@ -6,10 +6,12 @@ packed MXFP4 rows are read straight from the state (e2m1 nibbles as int32 words,
 bytes), decoded in registers and scored against the query's I heads on the tensor cores; no bf16
 copy of the indexer K is written to HBM (the XLA path dequantises the whole K every call).
 
-Channels are handled as 8 classes, as in the sparse attention kernel: int32 word w of a row holds
-the nibbles of channels 8w .. 8w+7, so nibble c of every word is class c (channels 8w + c), one
-shift-and-mask per class; the dot is the sum over classes of ``q_c k_c^T`` (q read with a stride
-of 8). Channel 8w + c has scale byte w // 4 (32 channels per scale).
+Channels are handled as 8 classes: int32 word w of a row holds the nibbles of channels
+8w .. 8w+7, so nibble c of every word is class c (channels 8w + c), one shift-and-mask per
+class; the dot is the sum over classes of ``q_c k_c^T`` (q read with a stride of 8). Channel
+8w + c has scale byte w // 4 (32 channels per scale). (The sparse attention kernel's chunk
+layout, the row interleaved back into channel order for one dot, measured 1.2-2.9x slower
+here on the H200 at 32 heads x 128 over 32K entries at B=1 to 64: docs/benchmarks.md.)
 
 Numerics are the XLA path's (:func:`dsv41_jax.layers.indexer.index_scores`): ``dot`` rounded to
 bf16, ``bf16(relu(dot) * w_h)``, the fp32 sum over heads rounded to bf16, ``-inf`` for entries

@@ -7,24 +7,32 @@ cores, and its rows are dequantised once for all those heads.
 * Rows are gathered straight from the state's storage: FP8 window rows (e4m3 + E8M0 per 32) and
   packed FP4 main KV (e2m1 pairs + E4M3 per 16), loaded as int32 words and dequantised in
   registers; no bf16 copy of the KV is written to HBM.
-* The K channels are handled as ``n_cls`` classes (class c = channels c, c + n_cls, ...): one
-  shift-and-mask of the loaded words gives a whole class, so the decode needs no register
-  shuffles; ``s = sum_c q_c k_c^T`` and ``o_c = P v_c`` (q read and o written with a stride).
-* The rows of block j+1 are loaded while block j computes.
+* The K channels are handled in ``n_chunks`` contiguous chunks. A chunk's words and scale bytes
+  are contiguous runs of each listed row (coalesced, vectorised loads); every code field of the
+  words decodes to a tile of every 4th / 8th channel, and register joins (``jnp.stack`` +
+  reshape) interleave those tiles back into channel order, so the tile the tensor cores read
+  is stored to shared memory with wide stores, q is read and o written contiguously, and
+  ``s = sum_c q_c k_c^T``, ``o_c = P v_c``.
+* ``prefetch``: ``"none"`` (the default: the rows of block j are loaded at its start),
+  ``"index"`` (the list entries of block j+1 are loaded during block j) or ``"late"`` (the rows
+  of block j+1 are loaded once block j's scores are computed). With 64 heads the [64, 512]
+  fp32 accumulator takes half the registers of 8 warps, and rows held across the score phase
+  made the compiler spill: loading them late or not ahead at all measured faster.
 * ``n_splits > 1`` (flash-decoding) splits the list's blocks over programs; the partial
   ``(acc, m, l)`` are merged in XLA. With ``n_splits = 1`` the blocks run in the reference order
   and the kernel finishes the softmax itself (sink, division, bf16 output).
-* Tuning knobs beside the block sizes: ``n_dsplit`` (programs sharing a head block, each doing
-  the PV product of part of the channels), ``reuse_kv`` (keep the dequantised block for the PV
-  product instead of decoding it again), ``dequant`` (``"jnp"``, or ``"asm"``: a PTX decode
-  without per-element conversion instructions, equal to the jnp decode on the H200 and the
-  default for one program per query of 64 heads, where it measured 8-9% faster).
-  :func:`default_tuning` holds the measured choices.
+* ``dequant``: ``"jnp"``, or ``"asm"`` (a PTX decode without per-element conversion
+  instructions, bitwise equal to the jnp decode). :func:`default_tuning` holds the measured
+  choices (docs/benchmarks.md).
 
 The jnp decodes are integer bit manipulation (fp16 bit placement), so the kernel needs no fp8
 instructions and runs unchanged in Pallas interpret mode on CPU. The state never holds the
 fp8 NaN codes (the quantisers clip); the kernel would decode them as +-480, where the XLA path
 gives NaN. Listed indices are clamped to the array like the XLA path's gather.
+
+Resource use of the GPU build can be read on a CPU machine: ``scripts/triton_report.py``
+lowers the kernel for an H200 and, with the standalone ``triton`` package installed, compiles
+it for sm_90a and prints registers, spills and the instruction mix.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 I32 = jnp.int32
 NEG_START = -1e30  # the reference kernel's initial running max
+PREFETCH = ("none", "index", "late")
 
 
 def _shl(x, n: int):
@@ -82,7 +91,7 @@ def _e2m1_field(words, n):
     return e2m1_over_16384((words >> (4 * n)) & 15)
 
 
-# PTX for the GPU build (``dequant="asm"``): one class of two adjacent words -> bf16x2,
+# PTX for the GPU build (``dequant="asm"``): one code field of two adjacent words -> bf16x2,
 # exactly, with no conversion instructions. ``prmt`` brings the byte holding the code of each
 # word into the two halves; the code's bits are placed where a bf16's low exponent and high
 # mantissa bits are, which reads as the value times 2**-126 (e2m1) or 2**-120 (e4m3),
@@ -121,7 +130,7 @@ def decode_ptx(fmt: str, byte: int, shift: int) -> str:
     return asm
 
 
-def _class_asm(fmt: str, byte: int, shift: int, words, scale_bits):
+def _field_asm(fmt: str, byte: int, shift: int, words, scale_bits):
     """bf16 tile of one code per int32 word (byte ``byte``, shifted right by ``shift``) times
     the scales (``scale_bits``: int32 tile of bf16 bits), via :func:`decode_ptx`."""
     [out] = plgpu.elementwise_inline_asm(
@@ -135,46 +144,49 @@ def _bf16_bits(x_bf16):
     return jax.lax.bitcast_convert_type(x_bf16, jnp.int16).astype(I32) & 0xFFFF
 
 
-def _kernel(*refs, n_dsplit, **static):
-    """Program (row r = b*S + s, head block, split) over the joint list ``idx_ref``: the first
-    ``n_win`` entries are window rows, the rest main-KV entries (-1 = none).
 
-    The K channels are split into ``n_cls`` classes (class c = channels c, c + n_cls, ...): a
-    class of a row is exactly what one shift-and-mask of the row's int32 words yields, so the
-    FP8/FP4 decode needs no register shuffles, and every product is a sum/concatenation over
-    classes: ``s = sum_c q_c k_c^T`` and ``o_c = P v_c`` (q and o are read and written with a
-    stride of ``n_cls``). Codes arrive as int32 words (window rows [B, Nw, K/4], 4 e4m3 codes
-    per word; main KV [B, T, K/8], 8 e2m1 nibbles per word), the scales as bytes.
+def interleave_tiles(tiles):
+    """2**m tiles [R, W] (tile i holds channel 2**m * w + i at column w) -> [R, W * 2**m] in
+    channel order, built with register joins (``stack`` on a new last axis, then a reshape:
+    Triton keeps the new axis in each thread's registers, so no data moves between threads)."""
+    if len(tiles) == 1:
+        return tiles[0]
+    even, odd = interleave_tiles(tiles[0::2]), interleave_tiles(tiles[1::2])
+    return jnp.stack([even, odd], axis=-1).reshape(even.shape[0], -1)
 
-    The rows of block j+1 are loaded while block j computes (and the list entries of block j+2),
-    so one program per SM still keeps the memory system busy.
 
-    ``n_dsplit`` programs share a (row, head block): each computes the whole score block but
-    the PV product of only ``n_cls / n_dsplit`` classes, so its fp32 accumulator is that much
-    smaller (measured on the H200: not faster, so off by default).
+def repeat_columns(x, n: int):
+    """[R, C] -> [R, C * n], each column repeated n times (n a power of two), in registers."""
+    while n > 1:
+        x = jnp.stack([x, x], axis=-1).reshape(x.shape[0], -1)
+        n //= 2
+    return x
+
+
+def _kernel(q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_refs, S, K,
+            n_chunks, block_h, n_win, n_blocks, n_splits, scale, interpret, dequant, prefetch):
+    """Program (row r = b*S + s, head block hb, split sp) over the joint list ``idx_ref``: the
+    first ``n_win`` entries are window rows, the rest main-KV entries (-1 = none).
+
+    Codes arrive as int32 words (window rows [B, Nw, K/4], 4 e4m3 codes per word; main KV
+    [B, T, K/8], 8 e2m1 nibbles per word), the scales as bytes. Chunk c holds channels
+    [c KC, (c+1) KC): its words and scale bytes are contiguous runs of each listed row, each
+    code field of the words decodes to a tile of every 4th (FP8) or 8th (FP4) channel, and the
+    tiles are interleaved back into channel order in registers (:func:`interleave_tiles`). So q
+    is read and o written contiguously, and every product is a sum/concatenation over chunks:
+    ``s = sum_c q_c k_c^T``, ``o_c = P v_c``. Each chunk's decode is written for both products;
+    Triton's CSE merges the two, so one shared-memory tile per chunk feeds both.
 
     Refs, in order: q, the joint list, window words, window scales, main words, main scales,
-    sink, then the outputs; ``static``: the keyword arguments of :func:`_program`.
+    sink, then the outputs (o, lse with one split; acc, m, l with several).
     """
-    r, hd, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    for d in range(n_dsplit):   # one static copy of the program per part of the channels
-        pl.when(hd % n_dsplit == d)(functools.partial(
-            _program, d, r, hd // n_dsplit, sp, *refs, n_dsplit=n_dsplit, **static))
-
-
-def _program(d, r, hb, sp, q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref,
-             *out_refs, S, K, n_cls, n_dsplit, block_h, n_win, n_blocks, n_splits, scale,
-             interpret, reuse_kv, dequant):
-    """The body of :func:`_kernel` for channel part ``d`` (classes ``mine``)."""
-    use_asm = dequant == "asm" and n_cls == 8 and not interpret
-    per = n_cls // n_dsplit
-    mine = range(d * per, (d + 1) * per)
+    r, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    use_asm = dequant == "asm" and not interpret
     b = r // S
     BN = SOFTMAX_BLOCK
-    KC = K // n_cls
+    KC = K // n_chunks
     n_rows_win, n_rows_main = wkv_ref.shape[1], mkv_ref.shape[1]
-    t = jnp.arange(KC, dtype=I32)[None, :]
-    qs = [q_ref[:, pl.ds(c, KC, stride=n_cls)] for c in range(n_cls)]      # [BH, KC] bf16
+    qs = [q_ref[:, pl.ds(c * KC, KC)] for c in range(n_chunks)]           # [BH, KC] bf16
 
     def dot(a, b, dims):
         if interpret:  # XLA:CPU has no bf16 x bf16 -> f32 dot thunk; f32 operands are exact
@@ -186,112 +198,101 @@ def _program(d, r, hb, sp, q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, s
     def list_block(j):
         return idx_ref[pl.ds(jnp.clip(j, 0, n_blocks - 1) * BN, BN)]
 
-    # -- loads of one block: the raw words and scale bytes of its 64 listed rows ------------
-    def load_window(idx):
+    def run(ref, row, start, n):
+        return ref[b, row, start + jnp.arange(n, dtype=I32)[None, :]]
+
+    # -- loads of one block: per chunk, the words and the scale of each word ------------------
+    def load_window(idx):   # 4 e4m3 codes per word, one E8M0 scale per 32 channels (8 words)
         row = jnp.clip(idx, 0, max(n_rows_win - 1, 0))[:, None]   # as XLA's gather; -1 -> 0
-        cols = [2 * t, 2 * t + 1] if n_cls == 8 else [t]   # class c: word (n_cls t + c) // 4
-        words = tuple(wkv_ref[b, row, col] for col in cols)
-        return words, wsc_ref[b, row, (n_cls * t) // 32].astype(I32)
+        W, G = KC // 4, KC // 32
+        return tuple((run(wkv_ref, row, c * W, W),
+                      repeat_columns(run(wsc_ref, row, c * G, G).astype(I32), 8))
+                     for c in range(n_chunks))
 
-    def load_main(idx):
+    def load_main(idx):     # 8 e2m1 codes per word, one E4M3 scale per 16 channels (2 words)
         row = jnp.clip(idx, 0, max(n_rows_main - 1, 0))[:, None]
-        col = t if n_cls == 8 else (n_cls * t) // 8      # class c: word (n_cls t + c) // 8
-        return (mkv_ref[b, row, col],), msc_ref[b, row, (n_cls * t) // 16].astype(I32)
+        W, G = KC // 8, KC // 16
+        return tuple((run(mkv_ref, row, c * W, W),
+                      repeat_columns(run(msc_ref, row, c * G, G).astype(I32), 2))
+                     for c in range(n_chunks))
 
-    # -- dequantisation of one class of a loaded block -> bf16 [BN, KC] -----------------------
-    def window_scale(sc):             # E8M0 bytes (1..254) -> 2**(u-127)
-        return jax.lax.bitcast_convert_type(sc << 23, F32)
+    # -- dequantisation of one chunk -> bf16 [BN, KC] in channel order ------------------------
+    def window_chunk(words, sc):
+        if use_asm:
+            sc = sc << 7                                           # 2**(u-127) as bf16 bits
+            return interleave_tiles([_field_asm("e4m3", k, 0, words, sc) for k in range(4)])
+        sc = jax.lax.bitcast_convert_type(sc << 23, F32)           # E8M0 -> 2**(u-127)
+        return interleave_tiles([((_e4m3_field(words, k) * 256.0) * sc).astype(BF16)
+                                 for k in range(4)])
 
-    def main_scale(sc):               # e4m3 bytes -> scale * 2**14
-        return e4m3_over_256(sc) * (2.0 ** 22)
+    def main_chunk(words, sc):
+        if use_asm:
+            sc = _bf16_bits((e4m3_over_256(sc) * 256.0).astype(BF16))
+            return interleave_tiles([_field_asm("e2m1", n // 2, 4 * (n % 2), words, sc)
+                                     for n in range(8)])
+        sc = e4m3_over_256(sc) * (2.0 ** 22)                       # scale * 2**14
+        return interleave_tiles([(_e2m1_field(words, n) * sc).astype(BF16) for n in range(8)])
 
-    def window_class(raw, sc, c):
-        words = raw[c // 4] if n_cls == 8 else raw[0]
-        return ((_e4m3_field(words, c % 4) * 256.0) * sc).astype(BF16)
-
-    def main_class(raw, sc, c):
-        nib = c if n_cls == 8 else (n_cls * t + c) % 8
-        return (_e2m1_field(raw[0], nib) * sc).astype(BF16)
-
-    def class_groups(kind, j, loaded):
-        """[(classes, fn)]: fn() gives the bf16 [BN, KC] tiles of those classes."""
+    def chunks(kind, j, loaded):
+        """fn(c) -> the bf16 [BN, KC] tile of chunk c of block j."""
         if kind == "window":
-            (raw, sc), = loaded
-            if use_asm:   # class c: byte c % 4 of the even (c < 4) / odd words
-                sc = sc << 7                                       # 2**(u-127) as bf16 bits
-                return [((c,), lambda c=c: (_class_asm("e4m3", c % 4, 0, raw[c // 4], sc),))
-                        for c in range(n_cls)]
-            sc = window_scale(sc)
-            kv_of = lambda c: window_class(raw, sc, c)  # noqa: E731
-        elif kind == "main":
-            (raw, sc), = loaded
-            if use_asm:   # class c: nibble c of the words
-                sc = _bf16_bits((e4m3_over_256(sc) * 256.0).astype(BF16))
-                return [((c,), lambda c=c: (_class_asm("e2m1", c // 2, 4 * (c % 2), raw[0],
-                                                       sc),)) for c in range(n_cls)]
-            sc = main_scale(sc)
-            kv_of = lambda c: main_class(raw, sc, c)  # noqa: E731
-        else:  # the block where the window list ends and the global list starts
-            (rw, sw), (rm, sm) = loaded
-            sw, sm = window_scale(sw), main_scale(sm)
-            is_win = (j * BN + jnp.arange(BN, dtype=I32) < n_win)[:, None]
-            kv_of = lambda c: jnp.where(is_win, window_class(rw, sw, c),  # noqa: E731
-                                        main_class(rm, sm, c))
-        return [((c,), lambda c=c: (kv_of(c),)) for c in range(n_cls)]
+            return lambda c: window_chunk(*loaded[0][c])
+        if kind == "main":
+            return lambda c: main_chunk(*loaded[0][c])
+        is_win = (j * BN + jnp.arange(BN, dtype=I32) < n_win)[:, None]   # the mixed block
+        return lambda c: jnp.where(is_win, window_chunk(*loaded[0][c]),
+                                   main_chunk(*loaded[1][c]))
 
-    def step(kind, j, idx, loaded, m, l, accs):
-        """Online-softmax update with block j (its list entries idx, its loaded rows)."""
-        groups = class_groups(kind, j, loaded)
+    def step(kind, j, idx, loaded, m, l, accs, after_scores=None):
+        """Online-softmax update with block j; ``after_scores()`` (if given) runs once the
+        score block is computed (loads issued there overlap the softmax and PV product)."""
+        kv = chunks(kind, j, loaded)
+        s = None
+        for c in range(n_chunks):
+            part = dot(qs[c], kv(c), nt)
+            s = part if s is None else s + part
         # an unlisted entry reads row 0 (finite: the state only ever holds valid codes)
         # and gets P = 0, so it adds exactly nothing
-        kvs = {}
-        s = None
-        for classes, fn in groups:
-            for c, kv in zip(classes, fn()):
-                if reuse_kv and c in mine:
-                    kvs[c] = kv
-                part = dot(qs[c], kv, nt)
-                s = part if s is None else s + part
         s = jnp.where((idx >= 0)[None, :], s * scale, -jnp.inf)          # [BH, BN]
+        extra = after_scores() if after_scores is not None else None
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         p = p.astype(BF16)
-        new = {}
-        for classes, fn in groups:
-            if not any(c in mine for c in classes):
-                continue
-            tiles = [kvs[c] for c in classes if c in mine] if reuse_kv else fn()
-            for c, kv in zip([c for c in classes if c in mine] if reuse_kv else classes, tiles):
-                if c in mine:
-                    new[c] = dot(p, kv, nn)
-        accs = tuple(acc * alpha[:, None] + new[c] for c, acc in zip(mine, accs))
-        return m_new, l, accs
+        accs = tuple(acc * alpha[:, None] + dot(p, kv(c), nn) for c, acc in enumerate(accs))
+        return m_new, l, accs, extra
 
     def phase(kind, lo, hi, carry):
-        """Blocks [lo, hi) of one kind, rows of block j+1 prefetched during block j."""
+        """Blocks [lo, hi) of one kind (``prefetch``: when the rows of block j+1 are loaded)."""
         load = load_window if kind == "window" else load_main
-        if kind == "mixed":
+        if kind == "mixed" or prefetch == "none":
             def body(j, carry):
                 idx = list_block(j)
-                return step(kind, j, idx, (load_window(idx), load_main(idx)), *carry)
+                rows = (load_window(idx), load_main(idx)) if kind == "mixed" else (load(idx),)
+                return step(kind, j, idx, rows, *carry)[:3]
             return jax.lax.fori_loop(lo, hi, body, carry)
+        if prefetch == "index":   # only the list entries of block j+1 are loaded ahead
+            def body(j, c):
+                m, l, accs, idx = c
+                nxt_idx = list_block(jnp.minimum(j + 1, hi - 1))
+                m, l, accs, _ = step(kind, j, idx, (load(idx),), m, l, accs)
+                return m, l, accs, nxt_idx
+            return jax.lax.fori_loop(lo, hi, body, (*carry, list_block(lo)))[:3]
 
-        def body(j, c):
+        def body(j, c):   # "late": block j+1's rows are loaded once block j's scores are
             m, l, accs, idx, nxt_idx, loaded = c
             nxt2_idx = list_block(jnp.minimum(j + 2, hi - 1))
-            nxt = load(nxt_idx)                                # rows of block j+1 (or j again)
-            m, l, accs = step(kind, j, idx, (loaded,), m, l, accs)
+            m, l, accs, nxt = step(kind, j, idx, (loaded,), m, l, accs,
+                                   after_scores=lambda: load(nxt_idx))  # (or block j again)
             return m, l, accs, nxt_idx, nxt2_idx, nxt
 
         idx0 = list_block(lo)
         idx1 = list_block(jnp.minimum(lo + 1, hi - 1))
-        out = jax.lax.fori_loop(lo, hi, body, (*carry, idx0, idx1, load(idx0)))
-        return out[:3]
+        return jax.lax.fori_loop(lo, hi, body, (*carry, idx0, idx1, load(idx0)))[:3]
 
     carry = (jnp.full((block_h,), NEG_START, F32), jnp.zeros((block_h,), F32),
-             tuple(jnp.zeros((block_h, KC), F32) for _ in mine))
+             tuple(jnp.zeros((block_h, KC), F32) for _ in range(n_chunks)))
     full_win = n_win // BN                       # blocks of window rows only
     first_main = -(-n_win // BN)                 # first block of main-KV rows only
     if n_splits == 1:
@@ -307,22 +308,20 @@ def _program(d, r, hb, sp, q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, s
         if c > a:
             carry = phase(kind, *rng(a, c), carry)
     m, l, accs = carry
-    cols = [pl.ds(c, KC, stride=n_cls) for c in mine]
+    cols = [pl.ds(c * KC, KC) for c in range(n_chunks)]
     if n_splits == 1:
         o_ref, lse_ref = out_refs
         sink = sink_ref[pl.ds(hb * block_h, block_h)]
         den = (l + jnp.exp(sink - m))[:, None]
         for col, acc in zip(cols, accs):
             o_ref[:, col] = (acc / den).astype(BF16)
-        if d == 0:
-            lse_ref[...] = lse_with_sink(m, l, sink)
+        lse_ref[...] = lse_with_sink(m, l, sink)
     else:
         acc_ref, m_ref, l_ref = out_refs
         for col, acc in zip(cols, accs):
             acc_ref[:, col] = acc
-        if d == 0:
-            m_ref[...] = m
-            l_ref[...] = l
+        m_ref[...] = m
+        l_ref[...] = l
 
 
 def _words(a):
@@ -331,12 +330,14 @@ def _words(a):
     return jax.lax.bitcast_convert_type(u8.reshape(*a.shape[:-1], -1, 4), I32)
 
 
-def default_tuning(rows: int, heads: int, n_blocks: int) -> dict:
+def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) -> dict:
     """Block sizes for a call with ``rows = B*S`` query rows (measured on the H200, see
     docs/benchmarks.md): all heads of a query in one program (the block is dequantised once);
     when that gives fewer than 128 programs (one per SM), split the list (flash-decoding),
     then halve the head block. Decode B=8: 32 heads x 8 splits; B=64: 2 splits; B>=128 and
-    prefill: one program per query, with the PTX decode (``dequant="asm"``)."""
+    prefill: one program per query, with the PTX decode. 8 channel chunks (64 channels each at
+    the release's K = 512; chunks of 64 for smaller K), no row prefetch, 8 warps, no software
+    pipelining."""
     block_h = min(heads, 64)
     programs = rows * (heads // block_h)
     n_splits = 1
@@ -344,45 +345,43 @@ def default_tuning(rows: int, heads: int, n_blocks: int) -> dict:
         n_splits *= 2
     if programs * n_splits < 128 and block_h == 64 and heads % 32 == 0:
         block_h = 32
-    # the PTX decode measured 8-9% faster with one program per query of 64 heads (B=256:
-    # 395 vs 431-439 us, prefill 4096: 4.60 vs 4.99-5.04 ms) and 4-14% slower with list splits
+    # the PTX decode measured 8-9% faster in v3 with one program per 64-head query and slower
+    # with list splits; in v4 the two decodes are within the run-to-run noise
     dequant = "asm" if n_splits == 1 and block_h == 64 else "jnp"
     return {"block_h": block_h, "n_splits": n_splits, "num_warps": 8, "num_stages": 1,
-            "reuse_kv": False, "n_dsplit": 1, "dequant": dequant}
+            "n_chunks": max(1, min(8, head_dim // 64)), "dequant": dequant, "prefetch": "none"}
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "n_splits",
-                                             "num_warps", "num_stages", "n_cls", "reuse_kv",
-                                             "n_dsplit", "dequant"))
+                                             "num_warps", "num_stages", "n_chunks", "dequant",
+                                             "prefetch"))
 def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale, *,
                      interpret: bool = False, block_h: int | None = None,
                      n_splits: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, n_cls: int | None = None,
-                     reuse_kv: bool | None = None, n_dsplit: int | None = None,
-                     dequant: str | None = None):
+                     num_stages: int | None = None, n_chunks: int | None = None,
+                     dequant: str | None = None, prefetch: str | None = None):
     """Triton implementation of :func:`pallas_kernels.sparse_attention.sparse_attention`.
 
     Same arguments and results (o bf16 [B,S,H,K], lse fp32 [B,S,H]). Tuning (unset values
     come from :func:`default_tuning`): ``block_h`` heads per program (a power of two dividing
     H, >= 16 on a GPU), ``n_splits`` list splits (1 = the reference block order), Triton
-    ``num_warps`` / ``num_stages``, ``n_cls`` channel classes (4 or 8; default 8 when
-    ``K / 8 >= 16``, the tensor-core minimum), ``reuse_kv`` (keep the dequantised block for the
-    PV product instead of decoding it again), ``n_dsplit`` (1, 2 or 4 programs per head block,
-    each doing the PV product of part of the channel classes), ``dequant`` (``"jnp"``, or the
-    experimental PTX decode ``"asm"``: GPU only and 8 classes; interpret mode always decodes
-    with jnp, since PTX cannot run on CPU).
+    ``num_warps`` / ``num_stages``, ``n_chunks`` contiguous channel chunks (a power of two with
+    K / n_chunks >= 32, one FP8 scale block), ``dequant`` (``"jnp"``, or the PTX decode
+    ``"asm"``: GPU only; interpret mode always decodes with jnp, since PTX cannot run on CPU),
+    ``prefetch`` (one of :data:`PREFETCH`, see the module docstring).
 
     Raises ``ValueError`` for a tuning outside those limits or a head dim that is not a power
     of two >= 64.
     """
     B, S, H, K = q.shape
+    tuning = dict(num_warps=num_warps, num_stages=num_stages, n_chunks=n_chunks,
+                  dequant=dequant, prefetch=prefetch)
     if H < 16 and not interpret and block_h is None:
         # fewer heads than the tensor-core tile (the test configs): zero heads pad the tile
         o, lse = sparse_attention(
             jnp.pad(q, ((0, 0), (0, 0), (0, 16 - H), (0, 0))), win_kv, win_scale, win_idx, main,
             main_scale, topk, jnp.pad(sink, (0, 16 - H)), scale, block_h=16, n_splits=n_splits,
-            num_warps=num_warps, num_stages=num_stages, n_cls=n_cls, reuse_kv=reuse_kv,
-            n_dsplit=n_dsplit, dequant=dequant)
+            **tuning)
         return o[:, :, :H], lse[:, :, :H]
     n_win = win_idx.shape[-1]
     if topk is None:  # SWA-only layer: a dummy main KV that the kernel never reads
@@ -402,57 +401,54 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     if n_blocks == 0:   # nothing listed at all: o = 0, lse = sink
         return (jnp.zeros((B, S, H, K), BF16),
                 jnp.broadcast_to(sink.astype(F32), (B, S, H)))
-    tune = default_tuning(B * S, H, n_blocks)
+    if K % 64 or K & (K - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two head dim >= 64, got {K}")
+    tune = default_tuning(B * S, H, n_blocks, K)
+    tune.update({k: v for k, v in tuning.items() if v is not None})
     block_h = block_h or tune["block_h"]
     n_splits = min(n_splits or tune["n_splits"], n_blocks)
     if H % block_h or block_h & (block_h - 1) or (block_h < 16 and not interpret):
         raise ValueError(f"block_h={block_h} must be a power of two dividing the {H} heads "
                          f"(and >= 16 on a GPU: the tensor-core tile)")
-    if K % 64 or K & (K - 1):
-        raise ValueError(f"the Triton kernel needs a power-of-two head dim >= 64, got {K}")
-    n_cls = n_cls or (8 if K // 8 >= 16 else 4)
-    if n_cls not in (4, 8) or (K // n_cls < 16 and not interpret):
-        raise ValueError(f"n_cls={n_cls} must be 4 or 8 with K/n_cls >= 16 on a GPU (K={K})")
-    reuse_kv = tune["reuse_kv"] if reuse_kv is None else reuse_kv
-    n_dsplit = n_dsplit or tune["n_dsplit"]
-    dequant = dequant or (tune["dequant"] if n_cls == 8 else "jnp")
-    if dequant not in ("asm", "jnp"):
-        raise ValueError(f"dequant must be 'asm' or 'jnp', got {dequant!r}")
-    if dequant == "asm" and n_cls != 8:
-        raise ValueError(f"dequant='asm' decodes 8 channel classes; n_cls={n_cls} (K={K})")
-    if n_dsplit not in (1, 2, 4) or n_dsplit > n_cls:
-        raise ValueError(f"n_dsplit={n_dsplit} must be 1, 2 or 4 (and <= n_cls={n_cls})")
+    n_chunks = tune["n_chunks"]
+    if n_chunks < 1 or n_chunks & (n_chunks - 1) or K // n_chunks < 32:
+        raise ValueError(f"n_chunks={n_chunks} must be a power of two with K/n_chunks >= 32 "
+                         f"(K={K})")
+    if tune["dequant"] not in ("asm", "jnp"):
+        raise ValueError(f"dequant must be 'asm' or 'jnp', got {tune['dequant']!r}")
+    if tune["prefetch"] not in PREFETCH:
+        raise ValueError(f"prefetch must be one of {PREFETCH}, got {tune['prefetch']!r}")
     R = B * S
     u8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
     args = (q.reshape(R, H, K), lst.reshape(R, -1), _words(win_kv), win_scale,
             _words(main), u8(main_scale), sink.astype(F32))
     in_specs = [
-        pl.BlockSpec((None, block_h, K), lambda r, h, s: (r, h // n_dsplit, 0)),
+        pl.BlockSpec((None, block_h, K), lambda r, h, s: (r, h, 0)),
         pl.BlockSpec((None, lst.shape[-1]), lambda r, h, s: (r, 0)),
         *[pl.BlockSpec() for _ in args[2:6]],     # whole arrays: rows are gathered in-kernel
         pl.BlockSpec((H,), lambda r, h, s: (0,)),
     ]
     if n_splits == 1:
         out_shape = (jax.ShapeDtypeStruct((R, H, K), BF16), jax.ShapeDtypeStruct((R, H), F32))
-        out_specs = (pl.BlockSpec((None, block_h, K), lambda r, h, s: (r, h // n_dsplit, 0)),
-                     pl.BlockSpec((None, block_h), lambda r, h, s: (r, h // n_dsplit)))
+        out_specs = (pl.BlockSpec((None, block_h, K), lambda r, h, s: (r, h, 0)),
+                     pl.BlockSpec((None, block_h), lambda r, h, s: (r, h)))
     else:
         out_shape = (jax.ShapeDtypeStruct((R, n_splits, H, K), F32),
                      jax.ShapeDtypeStruct((R, n_splits, H), F32),
                      jax.ShapeDtypeStruct((R, n_splits, H), F32))
         out_specs = (
-            pl.BlockSpec((None, None, block_h, K), lambda r, h, s: (r, s, h // n_dsplit, 0)),
-            pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h // n_dsplit)),
-            pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h // n_dsplit)))
-    kernel = functools.partial(_kernel, S=S, K=K, n_cls=n_cls, n_dsplit=n_dsplit,
-                               block_h=block_h, n_win=n_win,
-                               n_blocks=n_blocks, n_splits=n_splits, scale=scale,
-                               interpret=interpret, reuse_kv=reuse_kv, dequant=dequant)
+            pl.BlockSpec((None, None, block_h, K), lambda r, h, s: (r, s, h, 0)),
+            pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h)),
+            pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h)))
+    kernel = functools.partial(_kernel, S=S, K=K, n_chunks=n_chunks, block_h=block_h,
+                               n_win=n_win, n_blocks=n_blocks, n_splits=n_splits, scale=scale,
+                               interpret=interpret, dequant=tune["dequant"],
+                               prefetch=tune["prefetch"])
     outs = pl.pallas_call(
-        kernel, grid=(R, H // block_h * n_dsplit, n_splits), in_specs=in_specs, out_specs=out_specs,
+        kernel, grid=(R, H // block_h, n_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or tune["num_warps"],
-                                             num_stages=num_stages or tune["num_stages"]),
+        compiler_params=plgpu.CompilerParams(num_warps=tune["num_warps"],
+                                             num_stages=tune["num_stages"]),
         name="csa2_sparse_attention",
     )(*args)
     if n_splits == 1:
