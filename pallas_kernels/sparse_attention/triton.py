@@ -83,12 +83,10 @@ def _e4m3_field(words, k: int):
     return _f16_to_f32((_shl(words, 8 - 8 * k) & 0x8000) | (_shl(words, 7 - 8 * k) & 0x3F80))
 
 
-def _e2m1_field(words, n):
-    """Nibble ``n`` (an int, or an int32 array of nibble numbers) of each word, an e2m1 code ->
-    value * 2**-14 (fp32; as e2m1_over_16384)."""
-    if isinstance(n, int):
-        return _f16_to_f32((_shl(words, 12 - 4 * n) & 0x8000) | (_shl(words, 9 - 4 * n) & 0x0E00))
-    return e2m1_over_16384((words >> (4 * n)) & 15)
+def _e2m1_field(words, n: int):
+    """Nibble ``n`` of each int32 word, an e2m1 code -> value * 2**-14 (fp32; as
+    e2m1_over_16384)."""
+    return _f16_to_f32((_shl(words, 12 - 4 * n) & 0x8000) | (_shl(words, 9 - 4 * n) & 0x0E00))
 
 
 # PTX for the GPU build (``dequant="asm"``): one code field of two adjacent words -> bf16x2,
