@@ -12,7 +12,10 @@ Every row gives microseconds, TFLOP/s, effective GB/s (bytes the op must touch: 
 gathered packed rows, outputs), the ratio to the XLA path measured in the same run, and the
 fraction of the roofline, from the copy bandwidth and bf16 matmul rate measured in the same run.
 Each timing is the median over several repetitions of a jit that runs the op ``--inner`` times
-on distinct inputs, so launch overhead is amortised the way a model step amortises it.
+on distinct inputs. Two times per row: the wall time per call, and the device time per call
+read from a ``jax.profiler`` trace of the same compiled jit (the op's kernels summed, launch
+gaps excluded). For a small op the wall time is mostly launch latency: at B=8 the device is
+busy ~21 of ~40-120 us per call. Ratios to XLA and rates are given for both.
 
     python scripts/bench_kernels.py --out bench_kernels.json            # benchmark
     python scripts/bench_kernels.py --check                             # correctness only
@@ -22,10 +25,13 @@ on distinct inputs, so launch overhead is amortised the way a model step amortis
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -103,17 +109,79 @@ def op_cost(B, S, T):
 
 def time_fn(fn, args_list, reps: int) -> float:
     """Median seconds per op call: ``fn`` is jitted over the whole list of argument tuples."""
+    return measure(fn, args_list, reps)["wall_s"]
+
+
+def measure(fn, args_list, reps: int, profile: bool = False) -> dict:
+    """Time ``jit(all calls of fn over args_list)``: ``wall_s``, the median wall seconds per op
+    call over ``reps`` runs; with ``profile``, also ``device_s`` and ``kernels`` from
+    :func:`device_profile` of two more runs of the same compiled function (``device_s`` is
+    None where the trace has no device streams, e.g. on CPU)."""
     @jax.jit
     def many(all_args):
         return [fn(*a) for a in all_args]
-    out = many(args_list)
-    jax.block_until_ready(out)
+    jax.block_until_ready(many(args_list))
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(many(args_list))
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / len(args_list)
+    out = {"wall_s": statistics.median(ts) / len(args_list)}
+    if profile:
+        prof = device_profile(many, args_list, 2)
+        dev = prof["device_us_per_op"]
+        out.update(device_s=None if dev is None else dev * 1e-6, kernels=prof["kernels"])
+    return out
+
+
+def _trace_events(log_dir: str) -> list[dict]:
+    """The complete ("X") events of the newest trace under ``log_dir``, each with its process
+    and thread names under ``"process"`` and ``"thread"``."""
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(log_dir) for f in fs
+             if f.endswith(".trace.json.gz")]
+    if not paths:
+        raise FileNotFoundError(f"no *.trace.json.gz under {log_dir}")
+    with gzip.open(max(paths, key=os.path.getmtime), "rb") as f:
+        trace = json.load(f)
+    events = trace.get("traceEvents", [])
+    meta = lambda kind, key: {key(e): e["args"]["name"] for e in events  # noqa: E731
+                              if e.get("ph") == "M" and e.get("name") == kind}
+    procs = meta("process_name", lambda e: e["pid"])
+    threads = meta("thread_name", lambda e: (e["pid"], e.get("tid")))
+    return [dict(e, process=procs.get(e.get("pid"), "?"),
+                 thread=threads.get((e.get("pid"), e.get("tid")), "?"))
+            for e in events if e.get("ph") == "X"]
+
+
+def device_profile(many, args_list, reps: int) -> dict:
+    """Run ``many(args_list)`` (a jitted function making ``len(args_list)`` op calls, compiled
+    already) ``reps`` times under ``jax.profiler.trace`` and read the trace it writes: the wall
+    time per op call, the device time per op call (the kernels and copies on the device's
+    streams, summed: what the op costs the GPU, without the launch gaps of a loop of small
+    ops; None when the trace has no device streams, as on CPU) and the kernels (on CPU: the
+    host events), longest first."""
+    calls = reps * len(args_list)
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                jax.block_until_ready(many(args_list))
+            wall = (time.perf_counter() - t0) / calls
+        events = _trace_events(log_dir)
+    device = [e for e in events if "/device:" in e["process"] and "host" not in e["process"]]
+    # a GPU's process also holds summary lines ("XLA Ops", "XLA Modules"): keep the streams
+    streams = [e for e in device if e["thread"].startswith("Stream")]
+    device = streams or device
+    total = sum(float(e.get("dur", 0.0)) for e in device) / calls if device else None
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for e in device or [e for e in events if e.get("dur")]:   # CPU: the host events
+        per[e["name"]][0] += 1
+        per[e["name"]][1] += float(e.get("dur", 0.0))
+    kernels = sorted(({"name": k, "calls_per_op": n / calls, "us_per_op": d / calls}
+                      for k, (n, d) in per.items()), key=lambda r: -r["us_per_op"])
+    lines = collections.Counter(f"{e['process']} / {e['thread']}" for e in events)
+    return {"wall_us_per_op": wall * 1e6, "device_us_per_op": total, "kernels": kernels,
+            "trace_lines": dict(lines.most_common(12))}
 
 
 def _pallas_copy(x: jax.Array, block_rows: int) -> jax.Array:
@@ -177,29 +245,61 @@ def attn_row(name, B, S, T, *, prefill, impls, tunings, inner, reps, roof, key):
             try:
                 fn = (lambda *a, impl=impl, tune=tune:
                       sa.sparse_attention(*a, impl=impl, **tune)[0])
-                t = time_fn(fn, sets, reps)
+                m = measure(fn, sets, reps, profile=True)
             except Exception as e:  # noqa: BLE001 (report and go on: a config may not fit)
                 res["impls"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(f"  {name} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             tmin = max(flops / (roof["bf16_matmul_TFLOPs"] * 1e12), byts / (roof["copy_GBps"]
                                                                             * 1e9))
-            res["impls"][label] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12,
-                                   "GBps": byts / t / 1e9, "roofline_frac": tmin / t}
-            print(f"  {name:28s} {label:44s} {t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOP/s "
-                  f"{byts / t / 1e9:7.0f} GB/s  roofline {tmin / t:5.2f}", flush=True)
-    ok = {k: v for k, v in res["impls"].items() if "us" in v}
-    kern = {k: v for k, v in ok.items() if not k.startswith("xla")}
-    if kern and "xla" in ok:
-        best = min(kern, key=lambda k: kern[k]["us"])
-        res["best"] = best
-        res["speedup_vs_xla"] = ok["xla"]["us"] / kern[best]["us"]
-    elif kern:
-        res["best"] = min(kern, key=lambda k: kern[k]["us"])
+            res["impls"][label] = row = _rates(m, flops, byts, tmin)
+            print(f"  {name:28s} {label:44s} {_fmt_row(row)}", flush=True)
+    _best(res)
     return res
 
 
-def fp4_rows(impls, inner, reps, roof, key):
+def _rates(m: dict, flops: float, byts: float, tmin: float) -> dict:
+    """A row's numbers from :func:`measure`: wall ``us`` with its TFLOP/s, GB/s and roofline
+    fraction, and the same on the device time (``device_us``, ``device_TFLOPs``, ...) when the
+    trace has it."""
+    row = {}
+    for pre, t in (("", m["wall_s"]), ("device_", m.get("device_s"))):
+        if t:
+            row.update({f"{pre}us": t * 1e6, f"{pre}TFLOPs": flops / t / 1e12,
+                        f"{pre}GBps": byts / t / 1e9, f"{pre}roofline_frac": tmin / t})
+    if m.get("kernels"):
+        row["kernels"] = [{"name": k["name"][:80], "us": k["us_per_op"]}
+                          for k in m["kernels"][:6]]
+    return row
+
+
+def _fmt_row(row: dict) -> str:
+    out = (f"{row['us']:9.1f} us {row['TFLOPs']:7.1f} TFLOP/s {row['GBps']:7.0f} GB/s  "
+           f"roofline {row['roofline_frac']:5.2f}")
+    if "device_us" in row:
+        out += (f" | device {row['device_us']:8.1f} us {row['device_TFLOPs']:7.1f} TFLOP/s "
+                f"{row['device_GBps']:6.0f} GB/s roofline {row['device_roofline_frac']:5.2f}")
+    return out
+
+
+def _best(res: dict) -> None:
+    """The fastest kernel of a row (by device time where every kernel has one, else by wall
+    time) and its speedups over XLA, by wall time (``speedup_vs_xla``) and by device time
+    (``device_speedup_vs_xla``)."""
+    ok = {k: v for k, v in res["impls"].items() if "us" in v}
+    kern = {k: v for k, v in ok.items() if not k.startswith("xla")}
+    if not kern:
+        return
+    by = "device_us" if all("device_us" in v for v in kern.values()) else "us"
+    best = min(kern, key=lambda k: kern[k][by])
+    res["best"] = best
+    if "xla" in ok:
+        res["speedup_vs_xla"] = ok["xla"]["us"] / kern[best]["us"]
+        if "device_us" in ok["xla"] and "device_us" in kern[best]:
+            res["device_speedup_vs_xla"] = ok["xla"]["device_us"] / kern[best]["device_us"]
+
+
+def fp4_rows(impls, inner, reps, roof, key, tunings=({},)):
     try:
         from pallas_kernels import fp4
     except ImportError:
@@ -208,26 +308,27 @@ def fp4_rows(impls, inner, reps, roof, key):
     for fmt, dim in (("main", 512), ("index", 128)):
         n = (1 << 28) // dim            # 256M values = 512 MiB of bf16 input
         x = jax.random.normal(key, (n, dim), F32).astype(BF16)
-        sets = [(x + jnp.asarray(i, BF16),) for i in range(2)]
+        sets = [(x + jnp.asarray(i, BF16),) for i in range(6)]
         blk = 16 if fmt == "main" else 32
         byts = n * dim * 2 + n * dim // 2 + n * dim // blk
         res = {"name": f"fp4 quantize+pack {fmt}", "rows": n, "dim": dim, "bytes": byts,
                "impls": {}}
-        for impl in impls:
+        for impl, tune in [(i, t) for i in impls for t in (tunings if i == "triton" else [{}])]:
+            label = impl + "".join(f" {k}={v}" for k, v in tune.items())
             try:
-                t = time_fn(lambda a, impl=impl: fp4.quantize_pack(a, fmt, impl=impl), sets, reps)
+                m = measure(lambda a, impl=impl, tune=tune: fp4.quantize_pack(
+                    a, fmt, impl=impl, **tune), sets, reps, profile=True)
             except Exception as e:  # noqa: BLE001
-                res["impls"][impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                print(f"  fp4 {fmt} {impl}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                res["impls"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"  fp4 {fmt} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            res["impls"][impl] = {"us": t * 1e6, "GBps": byts / t / 1e9,
-                                  "roofline_frac": byts / t / 1e9 / roof["copy_GBps"]}
-            print(f"  fp4 quantize+pack {fmt:5s} {impl:10s} {t * 1e6:9.1f} us "
-                  f"{byts / t / 1e9:7.0f} GB/s", flush=True)
-        ok = {k: v for k, v in res["impls"].items() if "us" in v}
-        if "xla" in ok and len(ok) > 1:
-            best = min((k for k in ok if k != "xla"), key=lambda k: ok[k]["us"])
-            res["best"], res["speedup_vs_xla"] = best, ok["xla"]["us"] / ok[best]["us"]
+            row = _rates(m, 0.0, byts, byts / (roof["copy_GBps"] * 1e9))
+            res["impls"][label] = {k: v for k, v in row.items() if "TFLOPs" not in k}
+            dev = (f" | device {row['device_us']:8.1f} us {row['device_GBps']:7.0f} GB/s"
+                   if "device_us" in row else "")
+            print(f"  fp4 quantize+pack {fmt:5s} {label:36s} {row['us']:9.1f} us "
+                  f"{row['GBps']:7.0f} GB/s{dev}", flush=True)
+        _best(res)
         rows.append(res)
     return rows
 
@@ -407,6 +508,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tunings", default=None,
                     help='JSON list of Triton tunings to time on every row, e.g. '
                          '\'[{"n_chunks": 4}, {"prefetch": "index"}]\' (the default tuning first)')
+    ap.add_argument("--fp4-tunings", default=None,
+                    help='JSON list of FP4 codec tunings to time besides the default, e.g. '
+                         '\'[{"encode": "jnp"}, {"block_rows": 32}]\'')
+    ap.add_argument("--no-indexer", action="store_true", help="no indexer rows")
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     plat = sa.resolve_impl("auto")
@@ -468,20 +573,24 @@ def main(argv=None) -> int:
         _write(args.out, dict(result, attention=rows))
         return 1 if bad else 0
     fp4_impls = ["xla"] + (["triton" if plat == "triton" else plat] if plat != "xla" else [])
-    result["fp4"] = fp4_rows(fp4_impls, args.inner, args.reps, roof, key)
-    result["indexer"] = [] if args.quick else indexer_rows(fp4_impls, args.inner, args.reps,
+    result["fp4"] = fp4_rows(fp4_impls, args.inner, args.reps, roof, key,
+                             [{}] + (json.loads(args.fp4_tunings) if args.fp4_tunings else []))
+    result["indexer"] = [] if args.quick or args.no_indexer else indexer_rows(fp4_impls, args.inner, args.reps,
                                                            roof, key)
     _write(args.out, result)
-    print("\n| row | best impl | us | TFLOP/s | GB/s | x XLA | roofline |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| row | best impl | us (wall) | x XLA | device us | TFLOP/s | GB/s | x XLA | "
+          "roofline |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
     for r in rows + result["fp4"]:
         best = r.get("best")
         if best is None:
             continue
         v = r["impls"][best]
-        print(f"| {r['name']} | {best} | {v['us']:.1f} | {v.get('TFLOPs', float('nan')):.1f} | "
-              f"{v['GBps']:.0f} | {r.get('speedup_vs_xla', float('nan')):.1f} | "
-              f"{v['roofline_frac']:.2f} |")
+        print(f"| {r['name']} | {best} | {v['us']:.1f} | {r.get('speedup_vs_xla', nan):.2f} | "
+              f"{v.get('device_us', nan):.1f} | {v.get('device_TFLOPs', nan):.1f} | "
+              f"{v.get('device_GBps', nan):.0f} | {r.get('device_speedup_vs_xla', nan):.2f} | "
+              f"{v.get('device_roofline_frac', nan):.2f} |")
     return 1 if bad else 0
 
 

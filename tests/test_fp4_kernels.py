@@ -1,6 +1,7 @@
 """FP4 codec kernels (pallas_kernels.fp4) against the jnp reference, bit for bit (spec 2.6).
 
-Both Pallas kernels run in interpret mode on CPU; every comparison is on the raw bytes.
+Both Pallas kernels run in interpret mode on CPU; on a GPU machine the compiled Triton kernels
+run as well. Every comparison is on the raw bytes.
 """
 
 import functools
@@ -17,7 +18,9 @@ from pallas_kernels import fp4
 
 BF16 = ml_dtypes.bfloat16
 FMTS = ("main", "index")
-IMPLS = ("triton_interpret", "mosaic_tpu_interpret")
+# on a GPU machine (the H200 runs of this file) the compiled Triton kernels are tested too
+IMPLS = ("triton_interpret", "mosaic_tpu_interpret") + (
+    ("triton",) if jax.default_backend() == "gpu" else ())
 SCALE_FMT = {"main": "e4m3", "index": "e8m0"}
 E2M1 = quant.E2M1_VALUES
 BOUNDS = np.array([b for b, _ in quant._E2M1_BOUNDS], np.float32)
@@ -282,3 +285,112 @@ def test_mosaic_lowering_for_tpu(fmt):
         s = jax.ShapeDtypeStruct((300, k // block), scale_dtype)
         d = jax.jit(functools.partial(fp4.unpack_dequantize, fmt=fmt, impl="mosaic_tpu"))
         assert "tpu_custom_call" in jax.export.export(d, platforms=("tpu",))(p, s).mlir_module()
+
+
+# ----------------------------------------------------------------------------- GPU build
+
+
+def _encode_emulated(words: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """The Triton kernel's PTX encode (``encode="asm"``), emulated: uint32 words of bf16 pairs
+    and their fp32 block scales -> the packed bytes. The boundaries are built as the kernel's
+    ``_boundary_pairs`` builds them, in numpy (no flush of the subnormal ones, as on a GPU)."""
+    import ptx_emu
+    from pallas_kernels.fp4 import triton as ftk
+    regs = {"w": words.astype(np.uint32)}
+    with np.errstate(over="ignore"):
+        for i, (b, _) in enumerate(quant._E2M1_BOUNDS):
+            bits = (s.astype(np.float32) * np.float32(b)).view(np.uint32)
+            pair = (bits & np.uint32(0xFFFF0000)) | (bits >> np.uint32(16))
+            regs[f"t{i}"] = np.where(s == np.inf, np.uint32(ftk._INF_SCALE_PAIRS[i]), pair)
+    asm = ftk._ENCODE_PTX.replace("$0", "out").replace("$1", "w")
+    for i in range(7):
+        asm = asm.replace(f"${i + 2};", f"t{i};")
+    return ptx_emu.run_ptx(asm, regs)["out"] & np.uint32(0xFF)
+
+
+def _e2m1_codes_exact(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """quant._e2m1_code in numpy (fp32, subnormals kept): the boundaries passed, the sign."""
+    a = np.abs(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        n = sum(((a >= np.float32(b) * s) if up else (a > np.float32(b) * s)).astype(np.uint32)
+                for b, up in quant._E2M1_BOUNDS)
+    return n | (np.signbit(x).astype(np.uint32) << 3)
+
+
+def test_asm_encode_is_exact_for_every_bf16_value():
+    """The PTX encode against the e2m1 decision rule: every bf16 bit pattern (NaN, inf,
+    subnormals, both zeros) in the low half, random ones in the high half, under e4m3 scales
+    (2^-9 .. 448, the NaN scale of a main block holding a NaN) and E8M0 scales (2^-126, whose
+    boundaries are bf16 subnormals, .. 2^127 and +inf, whose stand-in boundaries must count
+    like the seven tests). Left out: +-inf under a finite scale whose boundaries overflow
+    (2^127), which no block produces (an infinite amax makes the scale +inf)."""
+    rng = np.random.default_rng(7)
+    lo = np.arange(1 << 16, dtype=np.uint32)
+    hi = rng.integers(0, 1 << 16, lo.size, dtype=np.uint32)
+    words = lo | hi << np.uint32(16)
+    scales = np.concatenate([E4M3_POS[::9], E4M3_POS[-1:], [np.nan],
+                             2.0 ** np.arange(-126, 128, 23, dtype=np.float32),
+                             [2.0 ** 127, np.inf]]).astype(np.float32)
+    for s in scales:
+        got = _encode_emulated(words, np.full(words.shape, s, np.float32))
+        x_lo, x_hi = ((h << np.uint32(16)).view(np.float32) for h in (lo, hi))
+        want = (_e2m1_codes_exact(x_lo, s) | _e2m1_codes_exact(x_hi, s) << np.uint32(4))
+        with np.errstate(over="ignore"):
+            overflow = np.isfinite(s) and not np.isfinite(np.float32(5.0) * s)
+        possible = ~(overflow & (np.isinf(x_lo) | np.isinf(x_hi)))
+        assert possible.mean() > 0.99
+        bad = np.flatnonzero((got != want) & possible)
+        assert bad.size == 0, (s, hex(int(words[bad[0]])), int(got[bad[0]]), int(want[bad[0]]))
+
+
+@pytest.mark.parametrize("encode", ["asm", "jnp"])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_triton_kernels_lower_for_h200(fmt, encode):
+    """The GPU build of quantize_pack (both encodes) and unpack_dequantize lowers to Triton IR
+    for an H200 on CPU, with the PTX of the asm encode in the IR."""
+    from unittest import mock
+
+    from jax._src.pallas.triton import gpu_info, lowering
+    captured = []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        out = lower(*args, **kwargs)
+        captured.append(out.module.operation.get_asm(enable_debug_info=False))
+        return out
+
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    q = jax.jit(functools.partial(fp4.quantize_pack, fmt=fmt, impl="triton", encode=encode))
+    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200), \
+            mock.patch.object(lowering, "lower_jaxpr_to_triton_module", capture):
+        jax.export.export(q, platforms=["cuda"], disabled_checks=skip)(
+            jax.ShapeDtypeStruct((300, 512), jnp.bfloat16))
+    [ttir] = captured
+    assert ttir.count("set.gt.u32.bf16x2") == (4 if encode == "asm" else 0)
+    with pytest.raises(ValueError, match="encode"):
+        fp4.quantize_pack(jnp.zeros((2, 64), jnp.bfloat16), fmt, impl="triton_interpret",
+                          encode="ptx")
+
+
+def test_asm_e4m3_scale_is_exact_for_every_bf16_amax():
+    """The PTX main-KV scale (``encode="asm"``): for every non-negative bf16 amax (subnormals,
+    inf, NaN), the scale byte equals the codec's (itself checked against the reference above)
+    and the seven boundary pairs are ``b * s`` exactly, in both halves."""
+    import ptx_emu
+    from pallas_kernels.fp4 import codec
+    from pallas_kernels.fp4 import triton as ftk
+    bits = np.concatenate([np.arange(0, 0x7F81), [0x7FC0, 0x7F81]]).astype(np.uint32) << 16
+    run = lambda ptx, x: ptx_emu.run_ptx(ptx.replace("$0", "out").replace("$1", "x"),  # noqa
+                                         {"x": x})["out"]
+    codes = run(ftk._E4M3_SCALE_PTX, bits)
+    want, s = jax.jit(codec.e4m3_scale)(jnp.asarray(bits.view(np.int32)))
+    np.testing.assert_array_equal(codes & 0xFF, np.asarray(want))
+    np.testing.assert_array_equal(codes >> 8 & 0xFF, np.asarray(want))
+    pair = run(ftk._E4M3_PAIR_PTX, codes)
+    s = np.asarray(s, np.float32)
+    for b, _ in quant._E2M1_BOUNDS:
+        got = run(ftk._BOUND_PTX.replace("PAIR", ftk._bf16_pair(b)), pair)
+        exact = ptx_emu.bf16_bits(np.float32(b) * s)
+        np.testing.assert_array_equal(got & 0xFFFF, exact)
+        np.testing.assert_array_equal(got >> 16, exact)

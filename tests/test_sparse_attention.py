@@ -47,6 +47,9 @@ CASES = {
         dict(Ww=70, k=130), dict(n_splits=3, n_chunks=4, prefetch="late"), False),
     "head dim 64, next block's list entries ahead, splits over a mixed block": (
         dict(K=64, Ww=100, k=200, Nw=120, T=300), dict(n_splits=3, prefetch="index"), False),
+    # whole-block lists are read in place (no concatenation); a split starts in each list
+    "window 64 + top-k 192 read in place, splits, rows loaded after the scores": (
+        dict(K=128, Ww=64, k=192, Nw=80, T=300), dict(n_splits=2, prefetch="late"), False),
 }
 
 
@@ -81,6 +84,13 @@ def test_triton_kernel_swa_only_and_empty():
                                  n_splits=1)
     assert (_f32(o0) == _f32(o3)).mean() > 0.99
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l0), rtol=1e-6)
+    # a whole-block window list (read in place, no top-k list at all), over two splits
+    q4, wkv4, wsc4, widx4, *_, sink4 = make_inputs(Ww=128, Nw=140)
+    o4, l4 = sa.sparse_attention(q4, wkv4, wsc4, widx4, sink=sink4, impl="xla")
+    o5, l5 = sa.sparse_attention(q4, wkv4, wsc4, widx4, sink=sink4, impl="triton_interpret",
+                                 n_splits=2)
+    assert (np.abs(_f32(o4) - _f32(o5)) <= 2 * np.abs(_f32(o4)) * 2.0 ** -8 + 2.0 ** -6).all()
+    np.testing.assert_allclose(np.asarray(l5), np.asarray(l4), rtol=1e-5, atol=1e-5)
     # a list of -1 only: exactly 0, lse = sink
     o2, l2 = sa.sparse_attention(q, wkv, wsc, jnp.full_like(widx, -1), sink=sink,
                                  impl="triton_interpret")

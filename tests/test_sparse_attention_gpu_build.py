@@ -6,13 +6,13 @@ templates' instructions are emulated bit by bit)."""
 from __future__ import annotations
 
 import functools
-import re
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import ptx_emu
 import pytest
 from jax._src.pallas.triton import gpu_info
 
@@ -29,7 +29,7 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
 
 
 @pytest.mark.parametrize("rows, tune", [
-    ("decode B=8", {}),                                   # default: 32 heads, 8 list splits
+    ("decode B=8", {}),                                   # default: 64 heads, 10 list splits
     ("decode B=8", {"dequant": "asm"}),
     ("prefill 256", {}),                                  # default: 64 heads, asm decode
     ("prefill 256", {"n_chunks": 2, "prefetch": "late"}),
@@ -56,55 +56,17 @@ def test_gpu_kernel_lowers_for_h200(rows, tune):
 # ----------------------------------------------------------------------------- PTX emulation
 
 
-def _bf16_value(bits: int) -> float:
+def _bf16_value(bits) -> float:
     """Exact value of bf16 bits, subnormals included."""
-    sign = -1.0 if bits & 0x8000 else 1.0
-    e, m = (bits >> 7) & 0xFF, bits & 0x7F
-    return sign * (m / 128 * 2.0 ** -126 if e == 0 else (1 + m / 128) * 2.0 ** (e - 127))
+    return float(ptx_emu.bf16_values(bits))
 
 
 def _bf16_bits(x: float) -> int:
-    return int(np.array([x], ml_dtypes.bfloat16).view(np.uint16)[0])
+    return int(ptx_emu.bf16_bits(x))
 
 
 def _run_ptx(asm: str, regs: dict) -> dict:
-    """Emulate the instruction subset of the templates on 32-bit values (bf16x2 products are
-    exact in these templates, which the emulation asserts)."""
-    def val(tok):
-        tok = tok.strip()
-        return int(tok, 16) if tok.startswith("0x") else int(tok) if tok.isdigit() else regs[tok]
-
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}." or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        ops = [t.strip() for t in re.split(r",(?![^{]*})", rest)]
-        if op == "prmt.b32":
-            src = [(val(ops[1]) >> 8 * i) & 0xFF for i in range(4)] + \
-                  [(val(ops[2]) >> 8 * i) & 0xFF for i in range(4)]
-            sel = val(ops[3])
-            regs[ops[0]] = sum(src[(sel >> 4 * i) & 7] << 8 * i for i in range(4))
-        elif op == "shr.u32":
-            regs[ops[0]] = val(ops[1]) >> val(ops[2])
-        elif op == "shl.b32":
-            regs[ops[0]] = (val(ops[1]) << val(ops[2])) & 0xFFFFFFFF
-        elif op in ("and.b32", "or.b32"):
-            a, b = val(ops[1]), val(ops[2])
-            regs[ops[0]] = a & b if op == "and.b32" else a | b
-        elif op == "mov.b32":
-            regs[ops[0]] = val(ops[1])
-        elif op == "mul.rn.bf16x2":
-            a, b = val(ops[1]), val(ops[2])
-            halves = []
-            for sh in (0, 16):
-                prod = _bf16_value((a >> sh) & 0xFFFF) * _bf16_value((b >> sh) & 0xFFFF)
-                assert _bf16_value(_bf16_bits(prod)) == prod, "inexact bf16 product"
-                halves.append(_bf16_bits(prod))
-            regs[ops[0]] = halves[0] | halves[1] << 16
-        else:
-            raise AssertionError(f"instruction not emulated: {op}")
-    return regs
+    return {k: int(v) for k, v in ptx_emu.run_ptx(asm, regs).items()}
 
 
 def _template(fmt, byte, shift):

@@ -21,9 +21,11 @@ Implementations (``impl``):
 * ``"auto"``: ``triton`` on a GPU backend, ``xla`` elsewhere (the Mosaic TPU kernels are
   interpret-tested only, so they are opt-in).
 
-The kernels never divide and need no fp8 instructions: scales are rounded with integer bit
-arithmetic (:mod:`.codec`), e2m1 codes are decided by the exact comparisons ``|x| <op> b * s``
-of ``quant._e2m1_code``, fp8 scales leave the kernel as uint8 bits. Subnormal inputs follow the
+The kernels never divide: e2m1 codes are decided by the exact comparisons ``|x| <op> b * s`` of
+``quant._e2m1_code`` (in bf16x2 pairs in the Triton kernel's PTX encode, where ``b * s`` is
+exact), scales are rounded with integer bit arithmetic (:mod:`.codec`) or, for main KV in that
+PTX encode, by the hardware's RNE e4m3 convert of a correctly rounded ``amax / 6``; fp8 scales
+leave the kernel as uint8 bits. Subnormal inputs follow the
 backend's denormal mode exactly like the ``xla`` reference on the same backend (XLA:CPU flushes
 them, so on CPU a subnormal x gets code 0; on an H200 the Triton kernels matched XLA:GPU on
 subnormal inputs too). A NaN in a block makes the kernels'
@@ -42,9 +44,10 @@ from dsv41_jax import quant
 from pallas_kernels.fp4.codec import FMT_BLOCK, FMTS
 
 IMPLS = ("auto", "xla", "triton", "mosaic_tpu", "triton_interpret", "mosaic_tpu_interpret")
-# Tuning keywords the kernels take (triton: block_rows, num_warps, num_stages; mosaic_tpu:
-# block_rows). Each implementation ignores the ones it does not use, "xla" all of them.
-TUNING = ("block_rows", "num_warps", "num_stages")
+# Tuning keywords the kernels take (triton: block_rows, num_warps, num_stages, and encode for
+# quantize_pack; mosaic_tpu: block_rows). Each implementation ignores the ones it does not
+# use, "xla" all of them.
+TUNING = ("block_rows", "num_warps", "num_stages", "encode")
 
 __all__ = ["FMTS", "IMPLS", "TUNING", "block_size", "quantize_pack", "resolve_impl",
            "unpack_dequantize"]
@@ -82,8 +85,9 @@ def _kernel_module(impl: str):
     return kernel
 
 
-def _kernel_tuning(impl: str, tuning: dict) -> dict:
-    return {k: v for k, v in tuning.items() if k in _kernel_module(impl).TUNING}
+def _kernel_tuning(impl: str, tuning: dict, quantize: bool = True) -> dict:
+    return {k: v for k, v in tuning.items()
+            if k in _kernel_module(impl).TUNING and (quantize or k != "encode")}
 
 
 def quantize_pack(x: BFloat16[Array, "... K"], fmt: str, *, impl: str = "auto", **tuning
@@ -95,7 +99,8 @@ def quantize_pack(x: BFloat16[Array, "... K"], fmt: str, *, impl: str = "auto", 
       fmt: ``"main"`` (E4M3 scale per 16) or ``"index"`` (E8M0 scale per 32).
       impl: see the module docstring.
       tuning: kernel block parameters (``block_rows``; Triton also ``num_warps``,
-        ``num_stages``).
+        ``num_stages`` and ``encode``: ``"asm"``, the default on a GPU, or ``"jnp"``, see
+        :func:`pallas_kernels.fp4.triton.quantize_words`).
 
     Returns:
       ``(packed, scale)``: packed uint8 [..., K/2] (element 2j in the low nibble); scale
@@ -180,7 +185,7 @@ def unpack_dequantize(packed: UInt8[Array, "... K2"], scale: jax.Array, fmt: str
     kernel = _kernel_module(impl)
     out = kernel.dequantize_words(packed.reshape(n, k // 2), sbytes.reshape(n, k // block), fmt,
                                   words_out=words_out, interpret=impl.endswith("interpret"),
-                                  **_kernel_tuning(impl, tuning))
+                                  **_kernel_tuning(impl, tuning, quantize=False))
     if words_out:
         return jax.lax.bitcast_convert_type(out, jnp.bfloat16).reshape(*lead, k)
     even, odd = out

@@ -18,6 +18,9 @@ cores, and its rows are dequantised once for all those heads.
   of block j+1 are loaded once block j's scores are computed). With 64 heads the [64, 512]
   fp32 accumulator takes half the registers of 8 warps, and rows held across the score phase
   made the compiler spill: loading them late or not ahead at all measured faster.
+* The window list and the top-k list are read in place when each is a whole number of
+  64-entry blocks (the release's 128 + 512); otherwise they are concatenated (and padded) in
+  XLA first, one more kernel per call.
 * ``n_splits > 1`` (flash-decoding) splits the list's blocks over programs; the partial
   ``(acc, m, l)`` are merged in XLA. With ``n_splits = 1`` the blocks run in the reference order
   and the kernel finishes the softmax itself (sink, division, bf16 output).
@@ -161,10 +164,14 @@ def repeat_columns(x, n: int):
     return x
 
 
-def _kernel(q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_refs, S, K,
-            n_chunks, block_h, n_win, n_blocks, n_splits, scale, interpret, dequant, prefetch):
-    """Program (row r = b*S + s, head block hb, split sp) over the joint list ``idx_ref``: the
-    first ``n_win`` entries are window rows, the rest main-KV entries (-1 = none).
+def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_refs,
+            S, K, n_chunks, block_h, n_win, n_blocks, n_splits, scale, interpret, dequant,
+            prefetch, split_lists):
+    """Program (row r = b*S + s, head block hb, split sp) over the joint list: the first
+    ``n_win`` entries are window rows, the rest main-KV entries (-1 = none). With
+    ``split_lists`` (both lists a whole number of blocks) ``idx_ref`` is the window list and
+    ``top_ref`` the top-k list, read in place; otherwise ``idx_ref`` is their concatenation
+    (``top_ref`` unused).
 
     Codes arrive as int32 words (window rows [B, Nw, K/4], 4 e4m3 codes per word; main KV
     [B, T, K/8], 8 e2m1 nibbles per word), the scales as bytes. Chunk c holds channels
@@ -175,8 +182,9 @@ def _kernel(q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_r
     ``s = sum_c q_c k_c^T``, ``o_c = P v_c``. Each chunk's decode is written for both products;
     Triton's CSE merges the two, so one shared-memory tile per chunk feeds both.
 
-    Refs, in order: q, the joint list, window words, window scales, main words, main scales,
-    sink, then the outputs (o, lse with one split; acc, m, l with several).
+    Refs, in order: q, the window (or joint) list, the top-k list, window words, window
+    scales, main words, main scales, sink, then the outputs (o, lse with one split; acc, m, l
+    with several).
     """
     r, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     use_asm = dequant == "asm" and not interpret
@@ -193,8 +201,15 @@ def _kernel(q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_r
 
     nt, nn = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
 
-    def list_block(j):
-        return idx_ref[pl.ds(jnp.clip(j, 0, n_blocks - 1) * BN, BN)]
+    n_win_blocks = n_win // BN
+
+    def list_block(j, kind):
+        if not split_lists:
+            return idx_ref[pl.ds(jnp.clip(j, 0, n_blocks - 1) * BN, BN)]
+        if kind == "window":
+            return idx_ref[pl.ds(jnp.clip(j, 0, n_win_blocks - 1) * BN, BN)]
+        return top_ref[pl.ds(jnp.clip(j - n_win_blocks, 0, n_blocks - n_win_blocks - 1) * BN,
+                             BN)]
 
     def run(ref, row, start, n):
         return ref[b, row, start + jnp.arange(n, dtype=I32)[None, :]]
@@ -264,29 +279,30 @@ def _kernel(q_ref, idx_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_r
     def phase(kind, lo, hi, carry):
         """Blocks [lo, hi) of one kind (``prefetch``: when the rows of block j+1 are loaded)."""
         load = load_window if kind == "window" else load_main
+        blk = functools.partial(list_block, kind=kind)
         if kind == "mixed" or prefetch == "none":
             def body(j, carry):
-                idx = list_block(j)
+                idx = blk(j)
                 rows = (load_window(idx), load_main(idx)) if kind == "mixed" else (load(idx),)
                 return step(kind, j, idx, rows, *carry)[:3]
             return jax.lax.fori_loop(lo, hi, body, carry)
         if prefetch == "index":   # only the list entries of block j+1 are loaded ahead
             def body(j, c):
                 m, l, accs, idx = c
-                nxt_idx = list_block(jnp.minimum(j + 1, hi - 1))
+                nxt_idx = blk(jnp.minimum(j + 1, hi - 1))
                 m, l, accs, _ = step(kind, j, idx, (load(idx),), m, l, accs)
                 return m, l, accs, nxt_idx
-            return jax.lax.fori_loop(lo, hi, body, (*carry, list_block(lo)))[:3]
+            return jax.lax.fori_loop(lo, hi, body, (*carry, blk(lo)))[:3]
 
         def body(j, c):   # "late": block j+1's rows are loaded once block j's scores are
             m, l, accs, idx, nxt_idx, loaded = c
-            nxt2_idx = list_block(jnp.minimum(j + 2, hi - 1))
+            nxt2_idx = blk(jnp.minimum(j + 2, hi - 1))
             m, l, accs, nxt = step(kind, j, idx, (loaded,), m, l, accs,
                                    after_scores=lambda: load(nxt_idx))  # (or block j again)
             return m, l, accs, nxt_idx, nxt2_idx, nxt
 
-        idx0 = list_block(lo)
-        idx1 = list_block(jnp.minimum(lo + 1, hi - 1))
+        idx0 = blk(lo)
+        idx1 = blk(jnp.minimum(lo + 1, hi - 1))
         return jax.lax.fori_loop(lo, hi, body, (*carry, idx0, idx1, load(idx0)))[:3]
 
     carry = (jnp.full((block_h,), NEG_START, F32), jnp.zeros((block_h,), F32),
@@ -329,20 +345,26 @@ def _words(a):
 
 
 def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) -> dict:
-    """Block sizes for a call with ``rows = B*S`` query rows (measured on the H200, see
-    docs/benchmarks.md): all heads of a query in one program (the block is dequantised once);
-    when that gives fewer than 128 programs (one per SM), split the list (flash-decoding),
-    then halve the head block. Decode B=8: 32 heads x 8 splits; B=64: 2 splits; B>=128 and
-    prefill: one program per query, with the PTX decode. 8 channel chunks (64 channels each at
-    the release's K = 512; chunks of 64 for smaller K), no row prefetch, 8 warps, no software
-    pipelining."""
+    """Block sizes for a call with ``rows = B*S`` query rows (measured on the H200, device
+    times, docs/benchmarks.md): all heads of a query in one program (the block is
+    dequantised once); when that gives fewer than 128 programs (one per SM), split the list
+    (flash-decoding) into up to one block per split, balanced (the fewest splits with the same
+    blocks per split), then halve the head block (down to 32) while the programs still fit
+    in one wave of 132 SMs. Decode B=1: 32 heads x 10 splits (9.9 us of kernel, 16.3 with
+    the old 32 x 8); B=8: 64 heads x 10 splits (16.1 us, 18.9); B=64: 64 heads x 2 splits;
+    B>=128 and prefill: one program per query, with the PTX decode. 8 channel chunks (64
+    channels each at the release's K = 512; chunks of 64 for smaller K), no row prefetch,
+    8 warps, no software pipelining."""
     block_h = min(heads, 64)
     programs = rows * (heads // block_h)
     n_splits = 1
-    while programs * n_splits < 128 and n_splits * 2 <= n_blocks:
-        n_splits *= 2
-    if programs * n_splits < 128 and block_h == 64 and heads % 32 == 0:
-        block_h = 32
+    if programs < 128:
+        n_splits = min(n_blocks, -(-128 // programs))
+        n_splits = -(-n_blocks // -(-n_blocks // n_splits))      # balanced splits
+        while (block_h > 32 and heads % (block_h // 2) == 0
+               and 2 * programs * n_splits <= 132):
+            block_h //= 2
+            programs *= 2
     # the PTX decode measured 8-9% faster in v3 with one program per 64-head query and slower
     # with list splits; in v4 the two decodes are within the run-to-run noise
     dequant = "asm" if n_splits == 1 and block_h == 64 else "jnp"
@@ -383,13 +405,20 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         return o[:, :, :H], lse[:, :, :H]
     n_win = win_idx.shape[-1]
     if topk is None:  # SWA-only layer: a dummy main KV that the kernel never reads
-        lst = win_idx
         main = jnp.zeros((B, 1, K // 2), jnp.uint8)
         main_scale = jnp.zeros((B, 1, K // 16), jnp.float8_e4m3fn)
+    n_top = 0 if topk is None else topk.shape[-1]
+    # both lists whole blocks (decode and prefill at the release sizes: 128 + 512): the
+    # kernel reads them in place; otherwise one concatenated list, padded to whole blocks
+    split_lists = n_win > 0 and n_win % SOFTMAX_BLOCK == 0 and n_top % SOFTMAX_BLOCK == 0
+    if split_lists:
+        lst = win_idx
+        top = win_idx if topk is None else topk
+        n_blocks = (n_win + n_top) // SOFTMAX_BLOCK
     else:
-        lst = jnp.concatenate([win_idx, topk], axis=-1)
-    lst = pad_list(lst)
-    n_blocks = lst.shape[-1] // SOFTMAX_BLOCK
+        lst = pad_list(win_idx if topk is None else jnp.concatenate([win_idx, topk], axis=-1))
+        top = lst
+        n_blocks = lst.shape[-1] // SOFTMAX_BLOCK
     if win_kv.shape[1] == 0:   # nothing to gather from: one zero row keeps the reads in bounds
         win_kv = jnp.zeros((B, 1, K), win_kv.dtype)
         win_scale = jnp.zeros((B, 1, K // 32), win_scale.dtype)
@@ -418,12 +447,13 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         raise ValueError(f"prefetch must be one of {PREFETCH}, got {tune['prefetch']!r}")
     R = B * S
     u8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
-    args = (q.reshape(R, H, K), lst.reshape(R, -1), _words(win_kv), win_scale,
-            _words(main), u8(main_scale), sink.astype(F32))
+    args = (q.reshape(R, H, K), lst.reshape(R, -1), top.reshape(R, -1), _words(win_kv),
+            win_scale, _words(main), u8(main_scale), sink.astype(F32))
     in_specs = [
         pl.BlockSpec((None, block_h, K), lambda r, h, s: (r, h, 0)),
         pl.BlockSpec((None, lst.shape[-1]), lambda r, h, s: (r, 0)),
-        *[pl.BlockSpec() for _ in args[2:6]],     # whole arrays: rows are gathered in-kernel
+        pl.BlockSpec((None, top.shape[-1]), lambda r, h, s: (r, 0)),
+        *[pl.BlockSpec() for _ in args[3:7]],     # whole arrays: rows are gathered in-kernel
         pl.BlockSpec((H,), lambda r, h, s: (0,)),
     ]
     if n_splits == 1:
@@ -441,7 +471,7 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     kernel = functools.partial(_kernel, S=S, K=K, n_chunks=n_chunks, block_h=block_h,
                                n_win=n_win, n_blocks=n_blocks, n_splits=n_splits, scale=scale,
                                interpret=interpret, dequant=tune["dequant"],
-                               prefetch=tune["prefetch"])
+                               prefetch=tune["prefetch"], split_lists=split_lists)
     outs = pl.pallas_call(
         kernel, grid=(R, H // block_h, n_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret,
