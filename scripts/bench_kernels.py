@@ -156,10 +156,11 @@ def _trace_events(log_dir: str) -> list[dict]:
 def device_profile(many, args_list, reps: int) -> dict:
     """Run ``many(args_list)`` (a jitted function making ``len(args_list)`` op calls, compiled
     already) ``reps`` times under ``jax.profiler.trace`` and read the trace it writes: the wall
-    time per op call, the device time per op call (the kernels and copies on the device's
-    streams, summed: what the op costs the GPU, without the launch gaps of a loop of small
-    ops; None when the trace has no device streams, as on CPU) and the kernels (on CPU: the
-    host events), longest first."""
+    time per op call, the device time per op call (the durations of the kernels and copies on
+    the device's streams, summed: what the op costs the GPU, without the launch gaps of a loop
+    of small ops; work overlapping on several streams would count twice, but these ops run on
+    one compute stream; None when the trace has no device streams, as on CPU) and the kernels
+    (on CPU: the host events), longest first."""
     calls = reps * len(args_list)
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):

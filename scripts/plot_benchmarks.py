@@ -2,7 +2,9 @@
 
 For every row: the XLA path, the Triton kernel with its default tuning and the best swept
 tuning, in microseconds, with the ratio to XLA above the best bar. Several JSON
-files (e.g. two kernel versions) are drawn side by side, one panel each.
+files (e.g. two kernel versions) are drawn side by side, one panel each. A file with device
+times (``bench_kernels.py`` from session 5 on) is drawn with them, an older one with its wall
+times; each panel's axis says which.
 
     python scripts/plot_benchmarks.py docs/results/h200_sweep_kernel_v2.json --out docs/benchmarks.png
 
@@ -19,13 +21,22 @@ import json
 import sys
 
 
-def rows_of(path: str) -> list[dict]:
-    """The attention rows of a benchmark JSON that have an XLA and a kernel timing."""
+def time_key(path: str) -> str:
+    """``"device_us"`` if every timed entry of the file has a device time, else ``"us"``."""
+    with open(path) as f:
+        data = json.load(f)
+    timed = [v for r in data.get("attention", []) for v in r["impls"].values() if "us" in v]
+    return "device_us" if timed and all("device_us" in v for v in timed) else "us"
+
+
+def rows_of(path: str, key: str = "us") -> list[dict]:
+    """The attention rows of a benchmark JSON that have an XLA and a kernel timing (``key``:
+    ``"us"``, the wall time, or ``"device_us"``)."""
     with open(path) as f:
         data = json.load(f)
     out = []
     for r in data.get("attention", []):
-        ok = {k: v["us"] for k, v in r["impls"].items() if "us" in v}
+        ok = {k: v[key] for k, v in r["impls"].items() if key in v}
         kern = {k: t for k, t in ok.items() if k != "xla"}
         if "xla" in ok and kern:
             best = min(kern, key=kern.get)
@@ -81,7 +92,8 @@ def main(argv=None) -> int:
         prefill_panel(axes[0][-1], args.prefill)
     titles = args.titles.split(";") if args.titles else [p.rsplit("/", 1)[-1] for p in args.json]
     for ax, path, title in zip(axes[0], args.json, titles):
-        rows = rows_of(path)
+        key = time_key(path)
+        rows = rows_of(path, key)
         x = range(len(rows))
         w = 0.27
         ax.bar([i - w for i in x], [r["xla"] for r in rows], w, label="XLA")
@@ -93,7 +105,8 @@ def main(argv=None) -> int:
                         ha="center", va="bottom", fontsize=8)
         ax.set_xticks(list(x), [r["name"] for r in rows], rotation=15, fontsize=8)
         ax.set_yscale("log")
-        ax.set_ylabel("microseconds per call (H200, log scale)")
+        ax.set_ylabel(("device" if key == "device_us" else "wall") +
+                      " microseconds per call (H200, log scale)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
     fig.suptitle("CSA2 sparse attention: 64 heads x 512, window 128, top-k 512")

@@ -56,26 +56,32 @@ def _inputs(B, S, T, Nw, Ww, k, H=64, K=512):
             jnp.zeros((B, S, k), jnp.int32), jnp.zeros((H,), jnp.float32))
 
 
+def capture_ttir(f, *args) -> list[str]:
+    """The Triton IR (text) of every Pallas Triton kernel in ``jax.jit`` function ``f`` called
+    on ``args`` (arrays or ``jax.ShapeDtypeStruct``), lowered for an H200 on any machine."""
+    captured = []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        result = lower(*a, **kw)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200), \
+            mock.patch.object(lowering, "lower_jaxpr_to_triton_module", capture):
+        jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(*args)
+    return captured
+
+
 def lower_to_ttir(rows: str, tuning: dict) -> str:
     """The Triton IR (text) of the kernel for ``rows`` (a key of :data:`ROWS`) and ``tuning``.
 
     Raises ``KeyError`` for an unknown row and ``ValueError`` for a tuning the kernel rejects.
     """
-    captured = []
-    lower = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
     f = jax.jit(functools.partial(tk.sparse_attention, scale=512 ** -0.5, **tuning))
-    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200), \
-            mock.patch.object(lowering, "lower_jaxpr_to_triton_module", capture):
-        jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(*_inputs(*ROWS[rows]))
-    [text] = captured
+    [text] = capture_ttir(f, *_inputs(*ROWS[rows]))
     return text
 
 
