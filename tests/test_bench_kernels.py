@@ -1,0 +1,70 @@
+"""The measuring pieces of scripts/bench_kernels.py and scripts/plot_benchmarks.py, on CPU:
+wall and device times from one compiled jit, the rates and ratios built from them, and the
+plot's choice of time. (The kernels themselves are timed on the GPU only.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import jax.numpy as jnp
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bk():
+    return _load("bench_kernels")
+
+
+def test_measure_wall_and_trace_on_cpu(bk):
+    """On CPU the trace holds no device streams: a wall time, ``device_s`` None, and the host
+    events as the kernel list."""
+    m = bk.measure(lambda a: a * 2, [(jnp.ones((256,)),), (jnp.zeros((256,)),)], 2,
+                   profile=True)
+    assert m["wall_s"] > 0 and m["device_s"] is None
+    assert m["kernels"] and all(k["us_per_op"] >= 0 for k in m["kernels"])
+    assert set(bk.measure(lambda a: a + 1, [(jnp.ones((8,)),)], 1)) == {"wall_s"}
+
+
+def test_rates_and_best_use_the_device_time(bk):
+    """Rates follow from the times; the best kernel and the device ratio use device times."""
+    tmin = 1e-6
+    xla = bk._rates({"wall_s": 40e-6, "device_s": 30e-6}, 2e9, 4e6, tmin)
+    fast_wall = bk._rates({"wall_s": 20e-6, "device_s": 25e-6}, 2e9, 4e6, tmin)
+    fast_dev = bk._rates({"wall_s": 30e-6, "device_s": 10e-6}, 2e9, 4e6, tmin)
+    assert xla["us"] == pytest.approx(40.0) and xla["device_us"] == pytest.approx(30.0)
+    assert xla["TFLOPs"] == pytest.approx(2e9 / 40e-6 / 1e12)
+    assert xla["device_GBps"] == pytest.approx(4e6 / 30e-6 / 1e9)
+    assert xla["device_roofline_frac"] == pytest.approx(tmin / 30e-6)
+    res = {"impls": {"xla": xla, "triton": fast_wall, "triton n_splits=2": fast_dev}}
+    bk._best(res)
+    assert res["best"] == "triton n_splits=2"
+    assert res["device_speedup_vs_xla"] == pytest.approx(3.0)
+    assert res["speedup_vs_xla"] == pytest.approx(40 / 30)
+    # without device times (a CPU run): by wall time, no device ratio
+    wall_only = {"impls": {k: {"us": v["us"]} for k, v in res["impls"].items()}}
+    bk._best(wall_only)
+    assert wall_only["best"] == "triton" and "device_speedup_vs_xla" not in wall_only
+
+
+def test_plot_reads_device_times_when_every_entry_has_them(tmp_path):
+    pb = _load("plot_benchmarks")
+    row = {"name": "decode B=8", "impls": {"xla": {"us": 60.0, "device_us": 36.0},
+                                           "triton": {"us": 46.0, "device_us": 20.0}}}
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    new.write_text(json.dumps({"attention": [row]}))
+    old.write_text(json.dumps({"attention": [{"name": "decode B=8", "impls": {
+        "xla": {"us": 60.0}, "triton": {"us": 46.0, "device_us": 20.0}}}]}))
+    assert pb.time_key(str(new)) == "device_us" and pb.time_key(str(old)) == "us"
+    [r] = pb.rows_of(str(new), "device_us")
+    assert (r["xla"], r["default"], r["best_label"]) == (36.0, 20.0, "triton")
