@@ -576,8 +576,8 @@ def main(argv=None) -> int:
     fp4_impls = ["xla"] + (["triton" if plat == "triton" else plat] if plat != "xla" else [])
     result["fp4"] = fp4_rows(fp4_impls, args.inner, args.reps, roof, key,
                              [{}] + (json.loads(args.fp4_tunings) if args.fp4_tunings else []))
-    result["indexer"] = [] if args.quick or args.no_indexer else indexer_rows(fp4_impls, args.inner, args.reps,
-                                                           roof, key)
+    result["indexer"] = ([] if args.quick or args.no_indexer else
+                         indexer_rows(fp4_impls, args.inner, args.reps, roof, key))
     _write(args.out, result)
     print("\n| row | best impl | us (wall) | x XLA | device us | TFLOP/s | GB/s | x XLA | "
           "roofline |")

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", default=["decode B=8"], choices=sorted(ROWS))
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--tuning", default="{}", help="JSON dict of kernel tuning keywords")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="timed runs (the trace has 2 more)")
     ap.add_argument("--top", type=int, default=8, help="kernels printed per row")
     ap.add_argument("--out", default=None, help="write the profiles as JSON here")
     args = ap.parse_args(argv)
@@ -65,18 +65,16 @@ def main(argv=None) -> int:
               "rows": {}}
     for name in args.rows:
         fn, sets = _row_fn(name, args.impl, tuning, key)
-        many = jax.jit(lambda all_args, fn=fn: [fn(*a) for a in all_args])
-        jax.block_until_ready(many(sets))                       # compile outside the trace
-        prof = bk.device_profile(many, sets, args.reps)
-        result["rows"][name] = prof
-        dev = prof["device_us_per_op"]
-        print(f"{name} ({args.impl}): wall {prof['wall_us_per_op']:.1f} us per call, device "
+        m = bk.measure(fn, sets, args.reps, profile=True)
+        dev = None if m["device_s"] is None else m["device_s"] * 1e6
+        result["rows"][name] = {"wall_us_per_op": m["wall_s"] * 1e6, "device_us_per_op": dev,
+                                "kernels": m["kernels"]}
+        print(f"{name} ({args.impl}): wall {m['wall_s'] * 1e6:.1f} us per call, device "
               f"{'n/a (no device streams)' if dev is None else f'{dev:.1f} us'}", flush=True)
-        for k in prof["kernels"][:args.top]:
-            share = k["us_per_op"] / max(dev or sum(r["us_per_op"] for r in prof["kernels"]),
-                                         1e-9)
-            print(f"    {k['us_per_op']:9.2f} us {share:6.1%}  x{k['calls_per_op']:.2f}  "
-                  f"{k['name'][:90]}", flush=True)
+        total = dev or sum(k["us_per_op"] for k in m["kernels"])
+        for k in m["kernels"][:args.top]:
+            print(f"    {k['us_per_op']:9.2f} us {k['us_per_op'] / max(total, 1e-9):6.1%}  "
+                  f"x{k['calls_per_op']:.2f}  {k['name'][:90]}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

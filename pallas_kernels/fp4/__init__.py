@@ -31,10 +31,10 @@ them, so on CPU a subnormal x gets code 0; on an H200 the Triton kernels matched
 subnormal inputs too). The same holds for the subnormal boundaries ``b * s`` of the smallest
 E8M0 scales: XLA:CPU flushes them, so a zero in an indexer-K block of tiny values (an
 all-zero block, say) gets code 1 (+0.5 s, s = 2^-126, which dequantises to 0 there) on CPU,
-code 0 on a GPU; the packed bytes of such blocks differ between backends. A NaN in a block makes the kernels'
-scale NaN ("main", codes 0 with their sign) or the E8M0 byte 0 with an infinite scale ("index"),
-like the eager reference; the jitted reference may drop the NaN in its fused max instead, so NaN
-is outside the bit-exact contract. +-inf is inside it.
+code 0 on a GPU; the packed bytes of such blocks differ between backends. A NaN in a block
+makes the kernels' scale NaN ("main", codes 0 with their sign) or the E8M0 byte 0 with an
+infinite scale ("index"), like the eager reference; the jitted reference may drop the NaN in
+its fused max instead, so NaN is outside the bit-exact contract. +-inf is inside it.
 """
 
 from __future__ import annotations

@@ -24,14 +24,14 @@ half). One program handles ``block_rows`` rows (R) of full width:
   wrapper bitcasts back), otherwise the even and odd fp32 values.
 
 Defaults (measured on one H200, docs/benchmarks.md): main K = 512 with 16 rows x 8 warps,
-index K = 128 with 64 rows x 4 warps. With 512 MiB of bf16 input (688 MB of traffic for main KV) the asm
-encode took 202 us of device time for main KV (3.40 TB/s) and 215 us for indexer K (3.16
+index K = 128 with 64 rows x 4 warps. With 512 MiB of bf16 input (688 MB of traffic for main
+KV) the asm encode took 202 us of device time for main KV (3.40 TB/s) and 215 us for indexer K (3.16
 TB/s), against XLA's 466 / 462 us and 306 / 268 us with the jnp encode. Unpack: 100-106 us for
 256 MiB of input (3.2-3.4 TB/s) against XLA's 485-495 us (an earlier session). Both kernels
 are bit-exact with the XLA reference on that GPU (tests/test_fp4_kernels.py, which adds
 ``impl="triton"`` on a GPU machine). On CPU the PTX templates are emulated bit by bit
-(tests/ptx_emu.py): the encode for every bf16 value under a sample of scales of both formats
-(+inf and NaN included), the E4M3 scale for every bf16 amax.
+(tests/ptx_emu.py): the encode for every bf16 value under every e4m3 and E8M0 scale (+inf and
+NaN included), the E4M3 scale for every bf16 amax.
 
 Rows past N in the last program are masked in the loads and stores. Triton block shapes must be
 powers of two: W and G are padded (with zero words that form whole extra scale blocks, sliced
@@ -156,11 +156,12 @@ def _bf16_pair(x: float) -> str:
     return hex(b << 16 | b)
 
 
-def _asm(ptx: str, x: jax.Array) -> jax.Array:
-    """One int32 result of ``ptx`` ($0) from one int32 operand ($1), elementwise."""
+def _asm(ptx: str, *xs: jax.Array) -> jax.Array:
+    """The int32 result of ``ptx`` ($0) from int32 operands of one shape ($1, $2, ...),
+    elementwise."""
     [out] = pltr.elementwise_inline_asm(
-        ptx, args=[x], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.int32)])
+        ptx, args=list(xs), constraints=",".join(["=r"] + ["r"] * len(xs)), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(xs[0].shape, jnp.int32)])
     return out
 
 
@@ -195,20 +196,16 @@ def _boundary_pairs(s: jax.Array) -> list[jax.Array]:
     out = []
     inf = s == np.float32(np.inf)
     for (b, _), stand_in in zip(codec.E2M1_BOUNDS, _INF_SCALE_PAIRS):
-        bits = jax.lax.bitcast_convert_type(s * np.float32(b), jnp.int32)
-        pair = (bits & codec._HI_MASK) | jax.lax.shift_right_logical(bits, 16)
-        out.append(jnp.where(inf, np.int32(np.uint32(stand_in).view(np.int32)), pair))
+        t = s * np.float32(b)
+        out.append(jnp.where(inf, np.int32(np.uint32(stand_in).view(np.int32)),
+                             codec.join_words(t, t)))
     return out
 
 
 def _encode_asm(words: jax.Array, bounds: list[jax.Array]) -> jax.Array:
     """int32 [R, G, S] words + the seven boundary pairs [R, G, 1] -> int32 [R, G, S], the
     packed byte of each word in its low 8 bits (:data:`_ENCODE_PTX`)."""
-    bounds = [jnp.broadcast_to(t, words.shape) for t in bounds]
-    [out] = pltr.elementwise_inline_asm(
-        _ENCODE_PTX, args=[words, *bounds], constraints="=r," + ",".join("r" * 8), pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
-    return out
+    return _asm(_ENCODE_PTX, words, *[jnp.broadcast_to(t, words.shape) for t in bounds])
 
 
 def _quantize_kernel(w_ref, q_ref, s_ref, *, fmt, n, block_rows, group_words, encode):
@@ -229,7 +226,7 @@ def _quantize_kernel(w_ref, q_ref, s_ref, *, fmt, n, block_rows, group_words, en
         packed = _encode_asm(w.reshape(r, groups, group_words), [t[:, :, None] for t in bounds])
         packed = packed.reshape(r, width).astype(jnp.uint8)
     else:
-        even, odd = codec.split_words(w)
+        even, odd = codec.split_words(w)   # the fp32 bits of each value, reused below
         amax = jnp.maximum(codec.abs_bits(even), codec.abs_bits(odd))
         amax = jnp.max(amax.reshape(r, groups, group_words), axis=-1)
         byte, s = codec.scale_from_amax(amax, fmt)
