@@ -59,6 +59,9 @@ buffers are plain row-major SMEM (per-row TMA destinations), read with
 ``plgpu.load(..., layout=WGMMA, optimized=False)``: no bank-conflict-free transfer plan exists
 for them, so these loads are the slow path (a tuning target: swizzled staging).
 
+The kernel is named ``csa2_sparse_attention_mgpu`` in profiles (``scripts/ncu_stalls.py
+profile --impl mosaic_gpu --kernel csa2``).
+
 Requirements: H == 64 heads, K == 512 channels (Hopper wgmma; GPU only, or Mosaic GPU interpret
 mode on CPU). Raises ``ValueError`` for other shapes. The E8M0 window scale byte 0 (2**-127) is
 decoded as 0 (the quantisers never write it); fp8 NaN codes are not expected in the state.
@@ -485,6 +488,7 @@ def _sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sin
         grid_names=("row",),
         num_threads=2,
         thread_name="wg",
+        kernel_name="csa2_sparse_attention_mgpu",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(qp, rows, wkv16, wsc_flat, main, msc_flat, e, sink)
