@@ -18,7 +18,8 @@ runs ``ncu --set full`` on the row's sparse attention (or FP4) kernel, keeps the
 CSV (``prof/b256.csv``; the ``.ncu-rep`` report is deleted unless ``--keep-report``) and the
 details page as text, and prints the summary. Anywhere, from a kept CSV:
 
-    python scripts/ncu_stalls.py report prof/b256.csv [--top 30] [--json summary.json]
+    python scripts/ncu_stalls.py report prof/b256.csv[.gz] [--top 30] [--json summary.json]
+        [--ranges 2128:2281,2281:3121]   # the samples of instruction ranges (phases)
 
 ``ncu`` is run with ``--clock-control none`` (the device tool asks that the clocks be left
 alone), one launch after one warm-up launch.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import gzip
 import json
 import os
 import re
@@ -39,7 +41,8 @@ import sys
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 _PRED = re.compile(r"^@!?U?P\w+\s+")
-_BRA = re.compile(r"\bBRA\s+(?:`?\(?)0x([0-9a-f]+)")
+_BRANCH = re.compile(r"\b(?:BRA|JMP)(?:\.\w+)*\s+(?:`?\(?)0x([0-9a-f]+)", re.I)
+ISSUED = ("selected", "not_selected")   # sampled while issuing / ready: not stalls
 
 
 def opcode(sass: str) -> str:
@@ -49,12 +52,20 @@ def opcode(sass: str) -> str:
 
 
 def read_source_csv(path: str) -> list[dict]:
-    """The rows of ``ncu --page source --csv --print-source sass``: one dict per instruction
-    with ``addr`` (int), ``sass``, ``samples``, ``executed`` and ``stalls`` (reason -> samples;
-    the reason names without the ``stall_`` prefix). Raises ``ValueError`` if the file has no
-    sampling column (the report was not taken with ``--set full`` or a source section)."""
-    with open(path, newline="") as f:
+    """The rows of ``ncu --page source --csv --print-source sass`` (plain or ``.gz``): one dict
+    per instruction with ``addr`` (int), ``sass``, ``samples``, ``executed`` and ``stalls``
+    (reason -> samples; the reason names without the ``stall_`` prefix).
+
+    Raises ``ValueError`` if the file has no sampling column (the report was not taken with
+    ``--set full`` or a source section) or holds more than one kernel (export one with
+    ``ncu -i REP -k NAME``)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
         rows = list(csv.reader(f))
+    kernels = sum(1 for r in rows if r[:1] == ["Kernel Name"])
+    if kernels > 1:
+        raise ValueError(f"{path}: {kernels} kernels in one export; export one kernel "
+                         f"(ncu -i REPORT -k NAME --page source --csv ...)")
     header_at = next((i for i, r in enumerate(rows) if SAMPLES in r), None)
     if header_at is None:
         raise ValueError(f"{path}: no '{SAMPLES}' column (take the report with --set full)")
@@ -71,7 +82,7 @@ def read_source_csv(path: str) -> list[dict]:
 
     out = []
     for r in rows[header_at + 1:]:
-        if len(r) < len(hdr) or not r[ix["Address"]].startswith("0x"):
+        if len(r) <= ix["Source"] or not r[ix["Address"]].startswith("0x"):
             continue
         out.append({"addr": int(r[ix["Address"]], 16), "sass": r[ix["Source"]].strip(),
                     "samples": num(r, SAMPLES), "executed": num(r, EXECUTED),
@@ -80,13 +91,20 @@ def read_source_csv(path: str) -> list[dict]:
 
 
 def find_loops(ins: list[dict]) -> list[tuple[int, int]]:
-    """(first, last) instruction positions of every loop: a branch to an earlier address."""
+    """(first, last) instruction positions of every loop: a branch back to an earlier
+    instruction, unless a branch located before that target jumps into the range (then the
+    range is the main body around an out-of-line block that returns to it, as ptxas lays out
+    the mbarrier wait loops, not a loop)."""
     pos = {x["addr"]: i for i, x in enumerate(ins)}
-    loops = []
+    edges = []
     for i, x in enumerate(ins):
-        m = _BRA.search(x["sass"])
-        if m and int(m.group(1), 16) < x["addr"] and int(m.group(1), 16) in pos:
-            loops.append((pos[int(m.group(1), 16)], i))
+        m = _BRANCH.search(x["sass"])
+        if m and int(m.group(1), 16) in pos:
+            edges.append((i, pos[int(m.group(1), 16)]))
+    loops = []
+    for i, t in edges:
+        if t < i and not any(f < t and t < g <= i for f, g in edges):
+            loops.append((t, i))
     return loops
 
 
@@ -95,9 +113,38 @@ def _mix(counter: collections.Counter, total: int, n: int) -> list[list]:
         if total else []
 
 
-def summarize(ins: list[dict], top: int = 20) -> dict:
-    """The summary printed by ``report``: totals, stall reasons, opcodes, loops and the top
-    instructions (percentages of all samples)."""
+def parse_ranges(text: str) -> list[tuple[int, int]]:
+    """``"2128:2281,2281:3121"`` -> [(2128, 2281), (2281, 3121)] (half-open instruction
+    positions, as ``report`` numbers them). Raises ``ValueError`` for a malformed range."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition(":")
+        if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() or int(lo) >= int(hi):
+            raise ValueError(f"--ranges: expected FIRST:END with FIRST < END, got {part!r}")
+        out.append((int(lo), int(hi)))
+    return out
+
+
+def range_shares(ins: list[dict], ranges: list[tuple[int, int]]) -> list[dict]:
+    """Per half-open range of instruction positions: its share of all samples and its own
+    stall mix (percent of the range's samples)."""
+    total = sum(x["samples"] for x in ins)
+    out = []
+    for lo, hi in ranges:
+        body = ins[lo:hi]
+        s = sum(x["samples"] for x in body)
+        mix = collections.Counter()
+        for x in body:
+            mix.update(x["stalls"])
+        out.append({"first": lo, "end": hi,
+                    "samples_pct": round(100.0 * s / total, 2) if total else 0.0,
+                    "stalls": _mix(mix, s, 5)})
+    return out
+
+
+def summarize(ins: list[dict], top: int = 20, ranges=()) -> dict:
+    """The summary printed by ``report``: totals, stall reasons, opcodes, loops, the given
+    ``ranges`` of instructions and the top instructions (percentages of all samples)."""
     total = sum(x["samples"] for x in ins)
     reasons = collections.Counter()
     ops = collections.Counter()
@@ -112,24 +159,33 @@ def summarize(ins: list[dict], top: int = 20) -> dict:
         for x in body:
             mix.update(x["stalls"])
         loops.append({"first": a, "last": b, "instructions": len(body),
-                      "trips": max(x["executed"] for x in body),
+                      "trips": ins[b]["executed"],   # warp executions of the back edge
                       "samples_pct": round(100.0 * s / total, 2) if total else 0.0,
                       "stalls": _mix(mix, s, 5)})
     ranked = sorted(range(len(ins)), key=lambda i: -ins[i]["samples"])[:top]
+
+    def main_stall(st):
+        stalls = {k: v for k, v in st.items() if k not in ISSUED and v}
+        return max(stalls, key=stalls.get) if stalls else ""
+
     return {
         "instructions": len(ins), "samples": total,
+        # samples of no exported reason (ncu leaves some wgmma samples unattributed)
+        "unattributed_pct": round(100.0 * (total - sum(reasons.values())) / total, 2)
+        if total else 0.0,
         "stalls": _mix(reasons, total, 20), "opcodes": _mix(ops, total, 15), "loops": loops,
+        "ranges": range_shares(ins, list(ranges)),
         "top": [{"pos": i, "samples_pct": round(100.0 * ins[i]["samples"] / total, 2),
-                 "stall": max(ins[i]["stalls"], key=ins[i]["stalls"].get)
-                 if ins[i]["samples"] else "", "executed": ins[i]["executed"],
+                 "stall": main_stall(ins[i]["stalls"]), "executed": ins[i]["executed"],
                  "sass": ins[i]["sass"]} for i in ranked if total],
     }
 
 
 def print_summary(s: dict) -> None:
     print(f"{s['instructions']} SASS instructions, {s['samples']} stall samples")
-    print("stall reasons (% of samples): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in s["stalls"][:10]))
+    print("stall reasons (% of samples; 'selected' and 'not_selected' are issuing or ready "
+          "warps, not stalls): " + ", ".join(f"{k} {v:.1f}" for k, v in s["stalls"][:10])
+          + (f", unattributed {s['unattributed_pct']:.1f}" if s["unattributed_pct"] else ""))
     print("by opcode: " + ", ".join(f"{k} {v:.1f}" for k, v in s["opcodes"][:12]))
     for lp in s["loops"]:
         if lp["samples_pct"] < 0.5:   # barrier spin loops and the like
@@ -137,6 +193,9 @@ def print_summary(s: dict) -> None:
         print(f"loop [{lp['first']}, {lp['last']}]: {lp['instructions']} instructions, "
               f"{lp['trips']} warp-trips, {lp['samples_pct']:.1f}% of samples ("
               + ", ".join(f"{k} {v:.0f}%" for k, v in lp["stalls"]) + ")")
+    for rg in s.get("ranges", []):
+        print(f"range [{rg['first']}, {rg['end']}): {rg['samples_pct']:.1f}% of samples ("
+              + ", ".join(f"{k} {v:.0f}%" for k, v in rg["stalls"]) + ")")
     print("top instructions:")
     for t in s["top"]:
         print(f"  {t['pos']:6d} {t['samples_pct']:5.2f}% {t['stall']:14s} "
@@ -163,8 +222,12 @@ def _profile(args) -> int:
         print("ncu (Nsight Compute) is not on the PATH: run 'profile' on the GPU machine, "
               "'report' anywhere", file=sys.stderr)
         return 2
+    if args.out.endswith(".ncu-rep"):
+        args.out = args.out[:-len(".ncu-rep")]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rep = args.out + ".ncu-rep"
+    if os.path.exists(rep):   # a stale report must not pass for this run's
+        os.remove(rep)
     cmd = ["ncu", "--clock-control", "none", "-k", f"regex:{args.kernel}", "--launch-skip",
            "1", "-c", "1", "--set", "full", "-f", "-o", args.out, sys.executable,
            os.path.abspath(__file__), "_kernel", "--row", args.row, "--impl", args.impl,
@@ -173,11 +236,14 @@ def _profile(args) -> int:
     if r.returncode or not os.path.exists(rep):
         print(r.stdout[-3000:], r.stderr[-3000:], file=sys.stderr)
         return r.returncode or 1
-    with open(args.out + ".csv", "w") as f:
-        subprocess.run(["ncu", "-i", rep, "--page", "source", "--csv", "--print-source", "sass"],
-                       stdout=f, check=True)
-    with open(args.out + "_details.txt", "w") as f:
-        subprocess.run(["ncu", "-i", rep, "--page", "details"], stdout=f, check=True)
+    for page, suffix in ((["source", "--csv", "--print-source", "sass"], ".csv"),
+                         (["details"], "_details.txt")):
+        with open(args.out + suffix, "w") as f:
+            r = subprocess.run(["ncu", "-i", rep, "--page", *page], stdout=f,
+                               stderr=subprocess.PIPE, text=True)
+        if r.returncode:
+            print(f"ncu -i {rep} --page {page[0]} failed: {r.stderr[-2000:]}", file=sys.stderr)
+            return r.returncode
     if not args.keep_report:
         os.remove(rep)
     s = summarize(read_source_csv(args.out + ".csv"), args.top)
@@ -195,6 +261,8 @@ def main(argv=None) -> int:
     rp.add_argument("csv")
     rp.add_argument("--top", type=int, default=20)
     rp.add_argument("--json", default=None, help="also write the summary here")
+    rp.add_argument("--ranges", default="", help="instruction ranges to break the samples down "
+                    "by, e.g. '2128:2281,2281:3121' (half-open, the positions printed)")
     for name in ("profile", "_kernel"):
         p = sub.add_parser(name, help="run ncu on a row (GPU machine)" if name == "profile"
                            else argparse.SUPPRESS)
@@ -211,7 +279,11 @@ def main(argv=None) -> int:
         return _run_kernel(args)
     if args.cmd == "profile":
         return _profile(args)
-    s = summarize(read_source_csv(args.csv), args.top)
+    try:
+        s = summarize(read_source_csv(args.csv), args.top, parse_ranges(args.ranges))
+    except (OSError, ValueError) as e:
+        print(f"ncu_stalls report: {e}", file=sys.stderr)
+        return 2
     print_summary(s)
     if args.json:
         with open(args.json, "w") as f:
