@@ -125,21 +125,23 @@ def parse_ranges(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def _span(ins: list[dict], lo: int, hi: int, total: int) -> dict:
+    """Instructions [lo, hi): their share of all ``total`` samples and their own stall mix
+    (percent of the span's samples)."""
+    body = ins[lo:hi]
+    s = sum(x["samples"] for x in body)
+    mix = collections.Counter()
+    for x in body:
+        mix.update(x["stalls"])
+    return {"samples_pct": round(100.0 * s / total, 2) if total else 0.0,
+            "stalls": _mix(mix, s, 5)}
+
+
 def range_shares(ins: list[dict], ranges: list[tuple[int, int]]) -> list[dict]:
     """Per half-open range of instruction positions: its share of all samples and its own
     stall mix (percent of the range's samples)."""
     total = sum(x["samples"] for x in ins)
-    out = []
-    for lo, hi in ranges:
-        body = ins[lo:hi]
-        s = sum(x["samples"] for x in body)
-        mix = collections.Counter()
-        for x in body:
-            mix.update(x["stalls"])
-        out.append({"first": lo, "end": hi,
-                    "samples_pct": round(100.0 * s / total, 2) if total else 0.0,
-                    "stalls": _mix(mix, s, 5)})
-    return out
+    return [{"first": lo, "end": hi, **_span(ins, lo, hi, total)} for lo, hi in ranges]
 
 
 def summarize(ins: list[dict], top: int = 20, ranges=()) -> dict:
@@ -151,17 +153,9 @@ def summarize(ins: list[dict], top: int = 20, ranges=()) -> dict:
     for x in ins:
         reasons.update(x["stalls"])
         ops[opcode(x["sass"])] += x["samples"]
-    loops = []
-    for a, b in find_loops(ins):
-        body = ins[a:b + 1]
-        s = sum(x["samples"] for x in body)
-        mix = collections.Counter()
-        for x in body:
-            mix.update(x["stalls"])
-        loops.append({"first": a, "last": b, "instructions": len(body),
-                      "trips": ins[b]["executed"],   # warp executions of the back edge
-                      "samples_pct": round(100.0 * s / total, 2) if total else 0.0,
-                      "stalls": _mix(mix, s, 5)})
+    loops = [{"first": a, "last": b, "instructions": b + 1 - a,
+              "trips": ins[b]["executed"],   # warp executions of the back edge
+              **_span(ins, a, b + 1, total)} for a, b in find_loops(ins)]
     ranked = sorted(range(len(ins)), key=lambda i: -ins[i]["samples"])[:top]
 
     def main_stall(st):

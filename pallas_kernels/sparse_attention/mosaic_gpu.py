@@ -176,18 +176,15 @@ def _kernel(q_ref, rows_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, e_ref,
         in loops over the rows (unrolled, the copies of the three block kinds made the kernel
         17.5K SASS instructions and a quarter of its stall samples instruction fetches)."""
         def copy_rows(lo: int, hi: int, win: bool):
+            kv_ref, sc_ref, staging, groups = ((wkv_ref, wsc_ref, wst, WIN_GROUPS) if win else
+                                               (mkv_ref, msc_ref, mst, MAIN_GROUPS))
+
             def body(r, carry):
                 row = jnp.maximum(rows_smem[j * BN + r], 0)   # -1: copy row 0, score masked
-                if win:
-                    plgpu.copy_gmem_to_smem(wkv_ref.at[b, pl.ds(row, 1)], wst.at[pl.ds(r, 1)],
-                                            kv_bar)
-                    plgpu.copy_gmem_to_smem(wsc_ref.at[b, pl.ds(row * WIN_GROUPS, SC_BYTES)],
-                                            sst.at[r], kv_bar)
-                else:
-                    plgpu.copy_gmem_to_smem(mkv_ref.at[b, pl.ds(row, 1)], mst.at[pl.ds(r, 1)],
-                                            kv_bar)
-                    plgpu.copy_gmem_to_smem(msc_ref.at[b, pl.ds(row * MAIN_GROUPS, SC_BYTES)],
-                                            sst.at[r], kv_bar)
+                plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(row, 1)], staging.at[pl.ds(r, 1)],
+                                        kv_bar)
+                plgpu.copy_gmem_to_smem(sc_ref.at[b, pl.ds(row * groups, SC_BYTES)],
+                                        sst.at[r], kv_bar)
                 return carry
             if hi > lo:
                 lax.fori_loop(lo, hi, body, 0)
