@@ -139,7 +139,11 @@ def _span(ins: list[dict], lo: int, hi: int, total: int) -> dict:
 
 def range_shares(ins: list[dict], ranges: list[tuple[int, int]]) -> list[dict]:
     """Per half-open range of instruction positions: its share of all samples and its own
-    stall mix (percent of the range's samples)."""
+    stall mix (percent of the range's samples). Raises ``ValueError`` for a range past the
+    last instruction."""
+    for lo, hi in ranges:
+        if hi > len(ins):
+            raise ValueError(f"--ranges: {lo}:{hi} ends past the {len(ins)} instructions")
     total = sum(x["samples"] for x in ins)
     return [{"first": lo, "end": hi, **_span(ins, lo, hi, total)} for lo, hi in ranges]
 
@@ -212,6 +216,11 @@ def _run_kernel(args) -> int:
 
 
 def _profile(args) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import profile_kernels as pk
+    if args.row not in pk.ROWS:
+        print(f"--row: one of {sorted(pk.ROWS)}, got {args.row!r}", file=sys.stderr)
+        return 2
     if shutil.which("ncu") is None:
         print("ncu (Nsight Compute) is not on the PATH: run 'profile' on the GPU machine, "
               "'report' anywhere", file=sys.stderr)
@@ -257,20 +266,23 @@ def main(argv=None) -> int:
     rp.add_argument("--json", default=None, help="also write the summary here")
     rp.add_argument("--ranges", default="", help="instruction ranges to break the samples down "
                     "by, e.g. '2128:2281,2281:3121' (half-open, the positions printed)")
-    for name in ("profile", "_kernel"):
-        p = sub.add_parser(name, help="run ncu on a row (GPU machine)" if name == "profile"
-                           else argparse.SUPPRESS)
-        p.add_argument("--row", default="decode B=256")
+    def row_args(p):
+        p.add_argument("--row", default="decode B=256",
+                       help="a row of scripts/profile_kernels.py (ROWS)")
         p.add_argument("--impl", default="triton")
         p.add_argument("--tuning", default="{}", help="JSON dict of kernel tuning keywords")
-        if name == "profile":
-            p.add_argument("--out", required=True, help="path prefix of the files written")
-            p.add_argument("--kernel", default="csa2|fp4", help="kernel name regex for ncu")
-            p.add_argument("--top", type=int, default=20)
-            p.add_argument("--keep-report", action="store_true")
+    pp = sub.add_parser("profile", help="run ncu on a row (GPU machine)")
+    row_args(pp)
+    pp.add_argument("--out", required=True, help="path prefix of the files written")
+    pp.add_argument("--kernel", default="csa2|fp4", help="kernel name regex for ncu")
+    pp.add_argument("--top", type=int, default=20)
+    pp.add_argument("--keep-report", action="store_true")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["_kernel"]:   # the process ncu profiles (not a user command)
+        kp = argparse.ArgumentParser(prog="ncu_stalls.py _kernel")
+        row_args(kp)
+        return _run_kernel(kp.parse_args(argv[1:]))
     args = ap.parse_args(argv)
-    if args.cmd == "_kernel":
-        return _run_kernel(args)
     if args.cmd == "profile":
         return _profile(args)
     try:

@@ -109,6 +109,8 @@ def test_ranges_break_the_samples_down(ns, tmp_path):
     for bad in ("3:1", "1-3", "a:4"):
         with pytest.raises(ValueError, match="--ranges"):
             ns.parse_ranges(bad)
+    with pytest.raises(ValueError, match="past the 7 instructions"):
+        ns.summarize(ns.read_source_csv(str(path)), ranges=[(5, 9)])
 
 
 def test_bad_inputs_are_refused(ns, tmp_path, capsys):
@@ -149,6 +151,8 @@ def test_profile_runs_ncu_on_the_row(ns, tmp_path, monkeypatch):
     assert json.load(open(out + "_summary.json"))["samples"] == 50
     monkeypatch.setattr(ns.shutil, "which", lambda name: None)
     assert ns.main(["profile", "--out", out]) == 2
+    calls.clear()
+    assert ns.main(["profile", "--row", "decode B=7", "--out", out]) == 2 and not calls
 
 
 def test_opcode_strips_predicates(ns):
@@ -162,3 +166,9 @@ def test_report_without_sampling_column_is_refused(ns, tmp_path):
     path.write_text('"Address","Source"\n"0x0","NOP"\n')
     with pytest.raises(ValueError, match="Warp Stall Sampling"):
         ns.read_source_csv(str(path))
+
+
+def test_kernel_child_runs_the_row(ns):
+    """The process ``profile`` hands to ncu: it parses its own arguments (not listed in
+    ``--help``) and runs the row's op (here the XLA path on CPU)."""
+    assert ns.main(["_kernel", "--row", "decode B=1", "--impl", "xla"]) == 0
