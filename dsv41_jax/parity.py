@@ -109,8 +109,12 @@ def pack_sources(cfg: ModelConfig, state: dict, f, prefix: str) -> dict:
 
 def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str = "auto"
                           ) -> list[Check]:
-    """Every block of a ``detail: full`` case run alone on its recorded prefill input."""
+    """Every block of a ``detail: full`` case (or those of ``layers``) run alone on its
+    recorded prefill input. Raises ``ValueError`` for a layer outside the model."""
     plan = LayerPlan.from_config(cfg)
+    bad = [L for L in (layers or []) if not 0 <= L < cfg.n_layers]
+    if bad:
+        raise ValueError(f"layers: {bad} outside the model's {cfg.n_layers} layers")
     ids = f["input_ids"]
     B, S = ids.shape
     cap = S + 8
@@ -406,10 +410,14 @@ def _cache_checks(cfg, state, f, prefix, name, tie_free_tokens: int) -> list[Che
 
 
 def run_all(path: str, cases=None, teacher_forced=True, progress=None,
-            attn_impl: str = "auto") -> list[Check]:
+            attn_impl: str = "auto", layers=None, e2e: bool = True) -> list[Check]:
     """Text cases (:func:`run_fixture_dir`) and image cases (:func:`run_vl_cases`), with the
-    sparse attention implementation ``attn_impl`` (see :func:`dsv41_jax.model.prefill`)."""
-    checks = run_fixture_dir(path, cases, teacher_forced, progress, attn_impl)
+    sparse attention implementation ``attn_impl`` (see :func:`dsv41_jax.model.prefill`).
+    ``layers``: only these layers' teacher-forced blocks (default all); ``e2e=False``: no
+    end-to-end prefill and decode (text cases only)."""
+    checks = run_fixture_dir(path, cases, teacher_forced, progress, attn_impl, layers, e2e)
+    if not e2e:
+        return checks
     return checks + run_vl_cases(path, cases, teacher_forced, progress, attn_impl)
 
 
@@ -463,8 +471,9 @@ def run_vl_cases(path, cases=None, teacher_forced=True, progress=None,
 
 
 def run_fixture_dir(path: str, cases=None, teacher_forced=True, progress=None,
-                    attn_impl: str = "auto") -> list[Check]:
-    """All checks of every case of a fixture directory (or the named ``cases``)."""
+                    attn_impl: str = "auto", layers=None, e2e: bool = True) -> list[Check]:
+    """All checks of every case of a fixture directory (or the named ``cases``); ``layers``
+    and ``e2e`` as in :func:`run_all`."""
     cfg, params, manifest = load_fixture_dir(path)
     checks: list[Check] = []
     for meta in manifest["cases"]:
@@ -477,13 +486,18 @@ def run_fixture_dir(path: str, cases=None, teacher_forced=True, progress=None,
         if cfg.engram_layer_ids:
             checks += engram_checks(cfg, params, f, meta["name"])
         if teacher_forced and meta.get("detail") == "full":
-            checks += teacher_forced_blocks(cfg, params, f, meta["name"], attn_impl=attn_impl)
-        e2e = end_to_end(cfg, params, f, meta, compat, attn_impl=attn_impl)
-        checks += e2e
+            checks += teacher_forced_blocks(cfg, params, f, meta["name"], layers=layers,
+                                            attn_impl=attn_impl)
+        if not e2e:
+            if progress:
+                progress(meta["name"])
+            continue
+        e2e_checks = end_to_end(cfg, params, f, meta, compat, attn_impl=attn_impl)
+        checks += e2e_checks
         if compat:
             # the switch must matter: the intended semantics match these rows clearly worse
             other = end_to_end(cfg, params, f, meta, False, attn_impl=attn_impl)
-            a = [c.max_rel for c in e2e if "index_topk (ratio" in c.name]
+            a = [c.max_rel for c in e2e_checks if "index_topk (ratio" in c.name]
             b = [c.max_rel for c in other if "index_topk (ratio" in c.name]
             if a and b:
                 checks.append(Check(meta["name"], "compat switch effect", a[0] - b[0], 0.0,

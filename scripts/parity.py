@@ -1,6 +1,7 @@
 """Run every case of a fixture directory against the model and print the compared errors.
 
     python scripts/parity.py ../shared/fixtures/reference/tiny-a [--case prefill061 ...]
+    python scripts/parity.py DIR --case prefill061 --layers 0,2,3,6,8 --no-end-to-end
 
 Prints one row per compared array (max absolute and relative error, the tolerance rule, ok/FAIL),
 writes them as JSON with --json, and exits non-zero when any comparison is outside tolerance.
@@ -26,6 +27,10 @@ def main(argv=None) -> int:
     ap.add_argument("fixture_dir")
     ap.add_argument("--case", action="append", default=None, help="only these cases")
     ap.add_argument("--no-teacher-forced", action="store_true")
+    ap.add_argument("--layers", default=None,
+                    help="comma list: only these layers' teacher-forced blocks (default all)")
+    ap.add_argument("--no-end-to-end", action="store_true",
+                    help="teacher-forced blocks only (text cases of detail 'full')")
     ap.add_argument("--json", default=None)
     ap.add_argument("--attn-impl", default="auto",
                     help="sparse attention implementation: auto (the platform's Pallas kernel, "
@@ -37,6 +42,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     checks = parity.run_all(args.fixture_dir, cases=args.case,
                             teacher_forced=not args.no_teacher_forced, attn_impl=args.attn_impl,
+                            layers=([int(x) for x in args.layers.split(",")] if args.layers
+                                    else None), e2e=not args.no_end_to_end,
                             progress=lambda n: print(f"  ran {n} ({time.time() - t0:.0f}s)",
                                                      file=sys.stderr, flush=True))
     for c in checks:

@@ -6,6 +6,7 @@ templates' instructions are emulated bit by bit)."""
 from __future__ import annotations
 
 import functools
+import re
 from unittest import mock
 
 import jax
@@ -28,16 +29,21 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
             jnp.zeros((B, S, k), jnp.int32), jnp.zeros((H,), jnp.float32))
 
 
-@pytest.mark.parametrize("rows, tune", [
-    ("decode B=8", {}),                                   # default: 64 heads, 10 list splits
-    ("decode B=8", {"dequant": "asm"}),
-    ("prefill 256", {}),                                  # default: 64 heads, asm decode
-    ("prefill 256", {"n_chunks": 2, "prefetch": "late"}),
-    ("prefill 256", {"n_chunks": 1, "prefetch": "index", "num_stages": 2}),
-    ("decode B=4 S=3", {"n_splits": 1, "dequant": "asm", "block_h": 64}),
-    ("tiny-a shapes, 8 heads x 64", {}),                 # heads padded to the 16-row tile
+@pytest.mark.parametrize("rows, tune, kernels", [
+    # default: 64 heads, 10 list splits, merged by the split merge kernel
+    ("decode B=8", {}, ["csa2_sparse_attention", "csa2_merge_splits"]),
+    ("decode B=8", {"dequant": "asm", "softmax": "exp", "merge": "xla"},
+     ["csa2_sparse_attention"]),
+    ("prefill 256", {}, ["csa2_sparse_attention"]),       # default: 64 heads, asm decode
+    ("prefill 256", {"n_chunks": 2, "prefetch": "late"}, ["csa2_sparse_attention"]),
+    ("prefill 256", {"n_chunks": 1, "prefetch": "index", "num_stages": 2},
+     ["csa2_sparse_attention"]),
+    ("decode B=4 S=3", {"n_splits": 1, "dequant": "asm", "block_h": 64},
+     ["csa2_sparse_attention"]),
+    # heads padded to the 16-row tile; one list block, so no splits
+    ("tiny-a shapes, 8 heads x 64", {}, ["csa2_sparse_attention"]),
 ])
-def test_gpu_kernel_lowers_for_h200(rows, tune):
+def test_gpu_kernel_lowers_for_h200(rows, tune, kernels):
     shapes = {"decode B=8": (8, 1, 1024, 129, 128, 512),
               "prefill 256": (1, 256, 1024, 384, 128, 512),
               "decode B=4 S=3": (4, 3, 1024, 131, 128, 512),
@@ -49,7 +55,8 @@ def test_gpu_kernel_lowers_for_h200(rows, tune):
     with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
         exported = jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(*args)
     text = exported.mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert text.count("__gpu$xla.gpu.triton") == len(kernels)
+    assert re.findall(r'name = "(csa2_[a-z_]+)"', text) == kernels
     assert [o.shape for o in exported.out_avals] == [args[0].shape, args[0].shape[:3]]
 
 

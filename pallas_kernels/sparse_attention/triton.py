@@ -22,8 +22,14 @@ cores, and its rows are dequantised once for all those heads.
   64-entry blocks (the release's 128 + 512); otherwise they are concatenated (and padded) in
   XLA first, one more kernel per call.
 * ``n_splits > 1`` (flash-decoding) splits the list's blocks over programs; the partial
-  ``(acc, m, l)`` are merged in XLA. With ``n_splits = 1`` the blocks run in the reference order
+  ``(acc, m, l)`` are merged by :func:`merge_splits` (``merge="triton"``, one small Pallas
+  kernel) or in XLA (``merge="xla"``, :func:`merge_splits_xla`, its reference). With ``n_splits = 1`` the blocks run in the reference order
   and the kernel finishes the softmax itself (sink, division, bf16 output).
+* ``softmax="exp2"`` (the default) computes the exponentials as ``exp2(x * log2 e)`` (one
+  ``MUFU.EX2``, :func:`exp_of`; compiled on CPU by standalone Triton 3.6, the main-KV loop
+  drops from 1912 to 1676 SASS instructions). On CPU, XLA folds ``exp2(x * log2 e)`` back
+  into ``exp(x)``, so interpret mode cannot tell the two apart: the GPU's ``ex2`` is checked
+  against the XLA path on the H200 (``bench_kernels.py --check``).
 * ``dequant``: ``"jnp"``, or ``"asm"`` (a PTX decode without per-element conversion
   instructions, bitwise equal to the jnp decode). :func:`default_tuning` holds the measured
   choices (docs/benchmarks.md).
@@ -46,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float
 
 from pallas_kernels.sparse_attention.reference import SOFTMAX_BLOCK, lse_with_sink, pad_list
 
@@ -54,6 +61,25 @@ BF16 = jnp.bfloat16
 I32 = jnp.int32
 NEG_START = -1e30  # the reference kernel's initial running max
 PREFETCH = ("none", "index", "late")
+SOFTMAX = ("exp", "exp2")
+MERGE = ("xla", "triton")
+LOG2E = 1.4426950408889634
+
+
+def exp_of(softmax: str):
+    """The softmax's exponential: ``"exp"``, libdevice ``expf`` (about 10 instructions);
+    ``"exp2"``, ``exp2(x * log2(e))`` (a multiply and one ``MUFU.EX2``). The argument ``x`` is
+    formed as in the reference (``s * scale - m``), so the base change only rounds ``x *
+    log2(e)``: an error relative to ``x``, small where ``P`` is large (folding log2(e) into the
+    score scale instead would round ``s * scale * log2(e)``, and moved twice as many bf16(P)
+    roundings on the H200: docs/benchmarks.md).
+
+    Raises ``ValueError`` for a name not in :data:`SOFTMAX`."""
+    if softmax not in SOFTMAX:
+        raise ValueError(f"softmax must be one of {SOFTMAX}, got {softmax!r}")
+    if softmax == "exp2":
+        return lambda x: jnp.exp2(x * LOG2E)
+    return jnp.exp
 
 
 def _shl(x, n: int):
@@ -166,7 +192,7 @@ def repeat_columns(x, n: int):
 
 def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_refs,
             S, K, n_chunks, block_h, n_win, n_blocks, n_splits, scale, interpret, dequant,
-            prefetch, split_lists):
+            prefetch, split_lists, softmax):
     """Program (row r = b*S + s, head block hb, split sp) over the joint list: the first
     ``n_win`` entries are window rows, the rest main-KV entries (-1 = none). With
     ``split_lists`` (both lists a whole number of blocks) ``idx_ref`` is the window list and
@@ -187,6 +213,7 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
     with several).
     """
     r, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    exp = exp_of(softmax)
     use_asm = dequant == "asm" and not interpret
     b = r // S
     BN = SOFTMAX_BLOCK
@@ -269,8 +296,8 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
         s = jnp.where((idx >= 0)[None, :], s * scale, -jnp.inf)          # [BH, BN]
         extra = after_scores() if after_scores is not None else None
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
+        alpha = exp(m - m_new)
+        p = exp(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         p = p.astype(BF16)
         accs = tuple(acc * alpha[:, None] + dot(p, kv(c), nn) for c, acc in enumerate(accs))
@@ -326,7 +353,7 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
     if n_splits == 1:
         o_ref, lse_ref = out_refs
         sink = sink_ref[pl.ds(hb * block_h, block_h)]
-        den = (l + jnp.exp(sink - m))[:, None]
+        den = (l + exp(sink - m))[:, None]
         for col, acc in zip(cols, accs):
             o_ref[:, col] = (acc / den).astype(BF16)
         lse_ref[...] = lse_with_sink(m, l, sink)
@@ -344,6 +371,80 @@ def _words(a):
     return jax.lax.bitcast_convert_type(u8.reshape(*a.shape[:-1], -1, 4), I32)
 
 
+def merge_splits_xla(acc: Float[Array, "R P H K"], m: Float[Array, "R P H"],
+                     l: Float[Array, "R P H"], sink: Float[Array, "H"], softmax: str = "exp"
+                     ) -> tuple[Float[Array, "R H K"], Float[Array, "R H"]]:
+    """The list splits' partial softmax states -> ``(o bf16 [R, H, K], lse fp32 [R, H])``.
+
+    ``acc`` fp32 [R, P, H, K] (unnormalised ``sum P V`` of each of the P splits), ``m`` the
+    splits' running maxima, ``l`` their denominators (without the sink); ``sink`` fp32 [H]
+    logits; ``softmax`` the exponential (:func:`exp_of`). The reference of
+    :func:`merge_splits`.
+    """
+    exp = exp_of(softmax)
+    top = jnp.max(m, axis=1, keepdims=True)
+    w = exp(m - top)
+    l_tot = jnp.sum(l * w, axis=1)
+    acc = jnp.sum(acc * w[..., None], axis=1)
+    top = top[:, 0]
+    sink = sink[None, :]
+    o = (acc / (l_tot + exp(sink - top))[..., None])
+    return o.astype(BF16), lse_with_sink(top, l_tot, sink)
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, sink_ref, o_ref, lse_ref, *, n_splits, block_h,
+                  softmax):
+    """Program (row r, head block hb, channel block): the splits' maxima, then one pass over
+    their accumulators (fp32 sums in split order)."""
+    hb = pl.program_id(1)
+    exp = exp_of(softmax)
+    ms = [m_ref[p, :] for p in range(n_splits)]
+    top = functools.reduce(jnp.maximum, ms)
+    ws = [exp(mp - top) for mp in ms]
+    l_tot = functools.reduce(lambda a, b: a + b, [l_ref[p, :] * w for p, w in enumerate(ws)])
+    acc = functools.reduce(lambda a, b: a + b,
+                           [acc_ref[p, :, :] * w[:, None] for p, w in enumerate(ws)])
+    sink = sink_ref[pl.ds(hb * block_h, block_h)]
+    den = l_tot + exp(sink - top)
+    o_ref[...] = (acc / den[:, None]).astype(BF16)
+    lse_ref[...] = lse_with_sink(top, l_tot, sink)
+
+
+def merge_splits(acc: Float[Array, "R P H K"], m: Float[Array, "R P H"], l: Float[Array, "R P H"],
+                 sink: Float[Array, "H"], softmax: str = "exp", *, block_h: int = 8,
+                 block_k: int = 128, interpret: bool = False
+                 ) -> tuple[Float[Array, "R H K"], Float[Array, "R H"]]:
+    """:func:`merge_splits_xla` in one Pallas Triton kernel (XLA runs it as two fusions): one
+    program per (row, ``block_h`` heads, ``block_k`` channels); small blocks, so that at decode
+    B=8 the 8 rows x 64 heads x 512 channels make 256 programs. Blocks larger than the heads /
+    channels are cut to them.
+
+    Raises ``ValueError`` if ``m``, ``l`` or ``sink`` do not match ``acc``'s [R, P, H] / [H],
+    or ``block_h`` / ``block_k`` is not a power of two dividing the heads / channels.
+    """
+    R, P, H, K = acc.shape
+    for name, x, shape in (("m", m, (R, P, H)), ("l", l, (R, P, H)), ("sink", sink, (H,))):
+        if x.shape != shape:
+            raise ValueError(f"{name}: expected shape {shape} (acc is {acc.shape}), got {x.shape}")
+    block_h, block_k = min(block_h, H), min(block_k, K)
+    for name, b, n in (("block_h", block_h, H), ("block_k", block_k, K)):
+        if b < 1 or n % b or b & (b - 1):
+            raise ValueError(f"{name}={b} must be a power of two dividing {n}")
+    kernel = functools.partial(_merge_kernel, n_splits=P, block_h=block_h, softmax=softmax)
+    return pl.pallas_call(
+        kernel, grid=(R, H // block_h, K // block_k),
+        in_specs=[pl.BlockSpec((None, P, block_h, block_k), lambda r, h, c: (r, 0, h, c)),
+                  pl.BlockSpec((None, P, block_h), lambda r, h, c: (r, 0, h)),
+                  pl.BlockSpec((None, P, block_h), lambda r, h, c: (r, 0, h)),
+                  pl.BlockSpec((H,), lambda r, h, c: (0,))],
+        out_specs=(pl.BlockSpec((None, block_h, block_k), lambda r, h, c: (r, h, c)),
+                   pl.BlockSpec((None, block_h), lambda r, h, c: (r, h))),
+        out_shape=(jax.ShapeDtypeStruct((R, H, K), BF16), jax.ShapeDtypeStruct((R, H), F32)),
+        interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="csa2_merge_splits",
+    )(acc, m, l, sink)
+
+
 def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) -> dict:
     """Block sizes for a call with ``rows = B*S`` query rows (measured on the H200, device
     times, docs/benchmarks.md): all heads of a query in one program (the block is
@@ -354,7 +455,9 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
     the old 32 x 8); B=8: 64 heads x 10 splits (16.1 us, 18.9); B=64: 64 heads x 2 splits;
     B>=128 and prefill: one program per query, with the PTX decode. 8 channel chunks (64
     channels each at the release's K = 512; chunks of 64 for smaller K), no row prefetch,
-    8 warps, no software pipelining."""
+    8 warps, no software pipelining; the softmax's exponentials as ``exp2(x log2 e)`` and the
+    splits merged by :func:`merge_splits` (session 7, together: 6% faster at B=256 and
+    prefill, 0.5-4 us faster at B=1-64)."""
     block_h = min(heads, 64)
     programs = rows * (heads // block_h)
     n_splits = 1
@@ -369,17 +472,19 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
     # with list splits; in v4 the two decodes are within the run-to-run noise
     dequant = "asm" if n_splits == 1 and block_h == 64 else "jnp"
     return {"block_h": block_h, "n_splits": n_splits, "num_warps": 8, "num_stages": 1,
-            "n_chunks": max(1, min(8, head_dim // 64)), "dequant": dequant, "prefetch": "none"}
+            "n_chunks": max(1, min(8, head_dim // 64)), "dequant": dequant, "prefetch": "none",
+            "softmax": "exp2", "merge": "triton"}
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "n_splits",
                                              "num_warps", "num_stages", "n_chunks", "dequant",
-                                             "prefetch"))
+                                             "prefetch", "softmax", "merge"))
 def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale, *,
                      interpret: bool = False, block_h: int | None = None,
                      n_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, n_chunks: int | None = None,
-                     dequant: str | None = None, prefetch: str | None = None):
+                     dequant: str | None = None, prefetch: str | None = None,
+                     softmax: str | None = None, merge: str | None = None):
     """Triton implementation of :func:`pallas_kernels.sparse_attention.sparse_attention`.
 
     Same arguments and results (o bf16 [B,S,H,K], lse fp32 [B,S,H]). Tuning (unset values
@@ -388,14 +493,16 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     ``num_warps`` / ``num_stages``, ``n_chunks`` contiguous channel chunks (a power of two with
     K / n_chunks >= 32, one FP8 scale block), ``dequant`` (``"jnp"``, or the PTX decode
     ``"asm"``: GPU only; interpret mode always decodes with jnp, since PTX cannot run on CPU),
-    ``prefetch`` (one of :data:`PREFETCH`, see the module docstring).
+    ``prefetch`` (one of :data:`PREFETCH`, see the module docstring), ``softmax`` (one of
+    :data:`SOFTMAX`: the exponential, :func:`exp_of`), ``merge`` (one of :data:`MERGE`: the
+    splits' merge in XLA or in :func:`merge_splits`).
 
     Raises ``ValueError`` for a tuning outside those limits or a head dim that is not a power
     of two >= 64.
     """
     B, S, H, K = q.shape
     tuning = dict(num_warps=num_warps, num_stages=num_stages, n_chunks=n_chunks,
-                  dequant=dequant, prefetch=prefetch)
+                  dequant=dequant, prefetch=prefetch, softmax=softmax, merge=merge)
     if H < 16 and not interpret and block_h is None:
         # fewer heads than the tensor-core tile (the test configs): zero heads pad the tile
         o, lse = sparse_attention(
@@ -445,6 +552,10 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         raise ValueError(f"dequant must be 'asm' or 'jnp', got {tune['dequant']!r}")
     if tune["prefetch"] not in PREFETCH:
         raise ValueError(f"prefetch must be one of {PREFETCH}, got {tune['prefetch']!r}")
+    if tune["softmax"] not in SOFTMAX:
+        raise ValueError(f"softmax must be one of {SOFTMAX}, got {tune['softmax']!r}")
+    if tune["merge"] not in MERGE:
+        raise ValueError(f"merge must be one of {MERGE}, got {tune['merge']!r}")
     R = B * S
     u8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
     args = (q.reshape(R, H, K), lst.reshape(R, -1), top.reshape(R, -1), _words(win_kv),
@@ -471,7 +582,8 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     kernel = functools.partial(_kernel, S=S, K=K, n_chunks=n_chunks, block_h=block_h,
                                n_win=n_win, n_blocks=n_blocks, n_splits=n_splits, scale=scale,
                                interpret=interpret, dequant=tune["dequant"],
-                               prefetch=tune["prefetch"], split_lists=split_lists)
+                               prefetch=tune["prefetch"], split_lists=split_lists,
+                               softmax=tune["softmax"])
     outs = pl.pallas_call(
         kernel, grid=(R, H // block_h, n_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret,
@@ -483,12 +595,7 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         o, lse = outs
     else:
         acc, m, l = outs
-        top = jnp.max(m, axis=1, keepdims=True)
-        w = jnp.exp(m - top)
-        l_tot = jnp.sum(l * w, axis=1)
-        acc = jnp.sum(acc * w[..., None], axis=1)
-        top = top[:, 0]
-        sink_b = sink.astype(F32)[None, :]
-        o = (acc / (l_tot + jnp.exp(sink_b - top))[..., None]).astype(BF16)
-        lse = lse_with_sink(top, l_tot, sink_b)
+        merge = merge_splits_xla if tune["merge"] == "xla" else functools.partial(
+            merge_splits, block_h=min(8, block_h), interpret=interpret)
+        o, lse = merge(acc, m, l, sink.astype(F32), softmax=tune["softmax"])
     return o.reshape(B, S, H, K), lse.reshape(B, S, H)
