@@ -414,7 +414,8 @@ def run_all(path: str, cases=None, teacher_forced=True, progress=None,
     """Text cases (:func:`run_fixture_dir`) and image cases (:func:`run_vl_cases`), with the
     sparse attention implementation ``attn_impl`` (see :func:`dsv41_jax.model.prefill`).
     ``layers``: only these layers' teacher-forced blocks (default all); ``e2e=False``: no
-    end-to-end prefill and decode (text cases only)."""
+    end-to-end prefill and decode (text cases only). ``progress(name, checks)`` is called
+    after each case with its checks."""
     checks = run_fixture_dir(path, cases, teacher_forced, progress, attn_impl, layers, e2e)
     if not e2e:
         return checks
@@ -437,6 +438,7 @@ def run_vl_cases(path, cases=None, teacher_forced=True, progress=None,
     cfg, params, _ = load_fixture_dir(path)
     checks: list[Check] = []
     for meta in todo:
+        start = len(checks)
         f = np.load(os.path.join(path, meta["file"]))
         name = meta["name"]
         rows, imgs = [], []
@@ -466,14 +468,14 @@ def run_vl_cases(path, cases=None, teacher_forced=True, progress=None,
         meta2 = dict(meta, prefill_len=ids.shape[1])
         checks += end_to_end(cfg, params, f, meta2, False, image=image, attn_impl=attn_impl)
         if progress:
-            progress(name)
+            progress(name, checks[start:])
     return checks
 
 
 def run_fixture_dir(path: str, cases=None, teacher_forced=True, progress=None,
                     attn_impl: str = "auto", layers=None, e2e: bool = True) -> list[Check]:
     """All checks of every case of a fixture directory (or the named ``cases``); ``layers``
-    and ``e2e`` as in :func:`run_all`."""
+    and ``e2e`` as in :func:`run_all`; ``progress(name, checks)`` after each case."""
     cfg, params, manifest = load_fixture_dir(path)
     checks: list[Check] = []
     for meta in manifest["cases"]:
@@ -481,31 +483,36 @@ def run_fixture_dir(path: str, cases=None, teacher_forced=True, progress=None,
             continue
         if meta.get("images"):
             continue  # image cases: see run_vl_case (vision prefill)
-        f = np.load(os.path.join(path, meta["file"]))
-        compat = meta.get("index_k_semantics", "").startswith("reference_compat")
-        if cfg.engram_layer_ids:
-            checks += engram_checks(cfg, params, f, meta["name"])
-        if teacher_forced and meta.get("detail") == "full":
-            checks += teacher_forced_blocks(cfg, params, f, meta["name"], layers=layers,
-                                            attn_impl=attn_impl)
-        if not e2e:
-            if progress:
-                progress(meta["name"])
-            continue
-        e2e_checks = end_to_end(cfg, params, f, meta, compat, attn_impl=attn_impl)
-        checks += e2e_checks
-        if compat:
-            # the switch must matter: the intended semantics match these rows clearly worse
-            other = end_to_end(cfg, params, f, meta, False, attn_impl=attn_impl)
-            a = [c.max_rel for c in e2e_checks if "index_topk (ratio" in c.name]
-            b = [c.max_rel for c in other if "index_topk (ratio" in c.name]
-            if a and b:
-                checks.append(Check(meta["name"], "compat switch effect", a[0] - b[0], 0.0,
-                                    f"row match with the compat switch ({100 * a[0]:.0f}%) >= "
-                                    f"without it ({100 * b[0]:.0f}%) + 10 points",
-                                    a[0] >= b[0] + 0.1))
+        got = _text_case(cfg, params, path, meta, teacher_forced, attn_impl, layers, e2e)
+        checks += got
         if progress:
-            progress(meta["name"])
+            progress(meta["name"], got)
+    return checks
+
+
+def _text_case(cfg, params, path, meta, teacher_forced, attn_impl, layers, e2e) -> list[Check]:
+    f = np.load(os.path.join(path, meta["file"]))
+    compat = meta.get("index_k_semantics", "").startswith("reference_compat")
+    checks: list[Check] = []
+    if cfg.engram_layer_ids:
+        checks += engram_checks(cfg, params, f, meta["name"])
+    if teacher_forced and meta.get("detail") == "full":
+        checks += teacher_forced_blocks(cfg, params, f, meta["name"], layers=layers,
+                                        attn_impl=attn_impl)
+    if not e2e:
+        return checks
+    e2e_checks = end_to_end(cfg, params, f, meta, compat, attn_impl=attn_impl)
+    checks += e2e_checks
+    if compat:
+        # the switch must matter: the intended semantics match these rows clearly worse
+        other = end_to_end(cfg, params, f, meta, False, attn_impl=attn_impl)
+        a = [c.max_rel for c in e2e_checks if "index_topk (ratio" in c.name]
+        b = [c.max_rel for c in other if "index_topk (ratio" in c.name]
+        if a and b:
+            checks.append(Check(meta["name"], "compat switch effect", a[0] - b[0], 0.0,
+                                f"row match with the compat switch ({100 * a[0]:.0f}%) >= "
+                                f"without it ({100 * b[0]:.0f}%) + 10 points",
+                                a[0] >= b[0] + 0.1))
     return checks
 
 

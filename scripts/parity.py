@@ -40,12 +40,26 @@ def main(argv=None) -> int:
         print(f"{args.fixture_dir}: no manifest.json (not a fixture directory)", file=sys.stderr)
         return 2
     t0 = time.time()
+    done: list = []
+
+    def progress(name, case_checks):
+        """Each case's result as soon as it ran (and the JSON so far): a run cut short by a
+        time limit keeps what it finished."""
+        done.extend(case_checks)
+        n_bad = sum(not c.ok for c in case_checks)
+        print(f"  ran {name} ({time.time() - t0:.0f}s): {len(case_checks) - n_bad} ok, "
+              f"{n_bad} failed", file=sys.stderr, flush=True)
+        for c in case_checks:
+            if not c.ok:
+                print(c.row(), file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([dataclasses.asdict(c) for c in done], f, indent=1)
+
     checks = parity.run_all(args.fixture_dir, cases=args.case,
                             teacher_forced=not args.no_teacher_forced, attn_impl=args.attn_impl,
                             layers=([int(x) for x in args.layers.split(",")] if args.layers
-                                    else None), e2e=not args.no_end_to_end,
-                            progress=lambda n: print(f"  ran {n} ({time.time() - t0:.0f}s)",
-                                                     file=sys.stderr, flush=True))
+                                    else None), e2e=not args.no_end_to_end, progress=progress)
     for c in checks:
         print(c.row())
     bad = [c for c in checks if not c.ok]

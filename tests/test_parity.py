@@ -6,6 +6,10 @@ Each fixture directory runs every case through ``dsv41_jax.parity``: teacher-for
 recorded noise. The same code backs ``scripts/parity.py``.
 """
 
+import importlib.util
+import json
+import os
+
 import pytest
 
 from conftest import fixture_dir
@@ -20,12 +24,22 @@ def test_fixture_dir(name):
     assert not bad, "\n".join(bad)
 
 
-def test_chosen_layers_without_end_to_end():
+def test_chosen_layers_without_end_to_end(tmp_path, capsys):
     """``scripts/parity.py --layers 8 --no-end-to-end``: only the reindex layer's teacher-forced
-    block of the full-detail case (what fits a GPU run's time limit)."""
-    checks = parity.run_all(fixture_dir("tiny-a"), cases=["prefill061"], layers=[8], e2e=False)
-    assert {c.name for c in checks} == {f"tf.{k}.L8" for k in (
+    block of the full-detail case (what fits a GPU run's time limit); each case's result is
+    printed and written to the JSON as soon as it ran."""
+    spec = importlib.util.spec_from_file_location(
+        "parity_script", os.path.join(os.path.dirname(__file__), "..", "scripts", "parity.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "p.json"
+    rc = script.main([fixture_dir("tiny-a"), "--case", "prefill061", "--layers", "8",
+                      "--no-end-to-end", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())
+    assert {r["name"] for r in rows} == {f"tf.{k}.L8" for k in (
         "attn_out", "ffn_out", "block_out", "index_topk", "moe_topk_idx")}
-    assert all(c.ok for c in checks)
+    assert all(r["ok"] for r in rows)
+    assert "ran prefill061" in capsys.readouterr().err
     with pytest.raises(ValueError, match="layers"):
         parity.run_all(fixture_dir("tiny-a"), cases=["prefill061"], layers=[12], e2e=False)

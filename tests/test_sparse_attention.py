@@ -160,6 +160,12 @@ def test_dispatch_and_errors():
         sa.sparse_attention(*args, impl="triton_interpret", softmax="exp10")
     with pytest.raises(ValueError, match="merge"):
         sa.sparse_attention(*args, impl="triton_interpret", n_splits=2, merge="tree")
+    with pytest.raises(ValueError, match="tuning"):
+        sa.sparse_attention(*args, impl="xla", n_splits=2)
+    # a bad tuning name is refused even when the lists are empty (the kernel's early return)
+    empty = (*args[:3], jnp.full_like(args[3][..., :0], -1), *args[4:6], None, args[7])
+    with pytest.raises(ValueError, match="softmax"):
+        sa.sparse_attention(*empty, impl="triton_interpret", softmax="exp10")
 
 
 def test_model_with_kernels_matches_xla_path(tiny_a):

@@ -84,8 +84,11 @@ def _template(fmt, byte, shift):
 def test_asm_e2m1_decode_is_exact():
     rng = np.random.default_rng(0)
     scales = [0.001953125, 0.375, 1.0, 448.0]                     # e4m3 values, incl. 2^-9
-    for _ in range(40):
-        w0, w1 = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
+    # random words, then every byte value in every byte of both words (all nibble pairs)
+    words = [tuple(int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
+             for _ in range(40)]
+    words += [(b * 0x01010101, ((37 * b + 11) & 255) * 0x01010101) for b in range(256)]
+    for w0, w1 in words:
         s0, s1 = (_bf16_bits(float(x)) for x in rng.choice(scales, 2))
         for c in range(8):        # nibble c of each word (as the kernel's main_chunk calls it)
             out = _run_ptx(_template("e2m1", c // 2, 4 * (c % 2)),
@@ -97,8 +100,10 @@ def test_asm_e2m1_decode_is_exact():
 
 def test_asm_e4m3_decode_is_exact():
     rng = np.random.default_rng(1)
-    for _ in range(40):
-        w0, w1 = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
+    words = [tuple(int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
+             for _ in range(40)]
+    words += [(b * 0x01010101, ((37 * b + 11) & 255) * 0x01010101) for b in range(256)]
+    for w0, w1 in words:
         u0, u1 = (int(x) for x in rng.integers(100, 150, 2))       # E8M0 scale bytes
         for k in range(4):        # byte k of each word
             out = _run_ptx(_template("e4m3", k, 0),
@@ -131,5 +136,13 @@ def test_triton_report_lowers_the_chunked_kernel():
     assert ttir.count("tt.dot ") == 2 * 8 * 2
     assert report.lower_to_ttir("prefill", {"n_chunks": 2}).count("tt.dot ") == 2 * 2 * 2
     assert report.num_warps_of("prefill", {}) == (8, 1)
+    # with list splits the row also runs the split merge kernel: the report is the attention's
+    split = report.lower_to_ttir("decode B=8", {})
+    assert "@csa2_sparse_attention" in split and "@csa2_merge_splits" not in split
+    # the GPU build's exponentials: exp2f by default, libdevice expf with softmax="exp" (on CPU
+    # XLA folds exp2(x log2 e) into exp(x), so only the GPU build shows the difference)
+    assert split.count("__nv_exp2f") > 0 and "__nv_expf" not in split
+    libdevice = report.lower_to_ttir("decode B=8", {"softmax": "exp"})
+    assert libdevice.count("__nv_expf") > 0 and "__nv_exp2f" not in libdevice
     with pytest.raises(ValueError, match="n_chunks"):
         report.lower_to_ttir("decode B=8", {"n_chunks": 32})

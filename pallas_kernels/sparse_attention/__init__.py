@@ -96,13 +96,16 @@ def sparse_attention(q: Float[Array, "B S H K"], win_kv, win_scale, win_idx: Int
       topk: int32 [B, S, k] entries of ``main`` per query, -1 = no entry; None for SWA-only.
       sink: fp32 [H] attention-sink logits (unscaled).
       scale: softmax scale (default ``K ** -0.5``).
-      impl: see the module docstring. ``tuning`` goes to the kernel (block sizes, splits).
+      impl: see the module docstring. ``tuning`` goes to the kernel (block sizes, splits);
+        ``impl="xla"`` and ``"mosaic_gpu"`` take none (ValueError), with ``"auto"`` it is
+        unused where ``auto`` picks XLA.
 
     Returns:
       ``(o, lse)``: o bf16 [B, S, H, K]; lse fp32 [B, S, H] = log(sum_j e^{s_j} + e^{sink_h}).
 
     Raises:
-      ValueError: a shape or dtype that does not match the layout above, an unknown impl.
+      ValueError: a shape or dtype that does not match the layout above, an unknown impl,
+        tuning keywords for an implementation without them.
 
     Spec 3.8; the list order and blocking are described in :mod:`.reference`.
     """
@@ -125,8 +128,10 @@ def sparse_attention(q: Float[Array, "B S H K"], win_kv, win_scale, win_idx: Int
         if topk.shape[-1] == 0:
             topk = None
     scale = K ** -0.5 if scale is None else float(scale)
+    if impl == "xla" and tuning:
+        raise ValueError(f"impl='xla' takes no tuning keywords, got {sorted(tuning)}")
     impl = resolve_impl(impl, rows=B * S, heads=H, head_dim=K)
-    if impl == "xla":
+    if impl == "xla":   # "auto" on a platform without a kernel: the kernels' tuning is unused
         return sparse_attention_xla(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink,
                                     scale)
     if impl in ("triton", "triton_interpret"):

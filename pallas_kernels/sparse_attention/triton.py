@@ -27,7 +27,8 @@ cores, and its rows are dequantised once for all those heads.
   and the kernel finishes the softmax itself (sink, division, bf16 output).
 * ``softmax="exp2"`` (the default) computes the exponentials as ``exp2(x * log2 e)`` (one
   ``MUFU.EX2``, :func:`exp_of`; compiled on CPU by standalone Triton 3.6, the main-KV loop
-  drops from 1912 to 1676 SASS instructions). On CPU, XLA folds ``exp2(x * log2 e)`` back
+  drops from 1912 to 1676 SASS instructions, and to 1612 with the PTX decode's shifts cut,
+  :func:`decode_ptx`). On CPU, XLA folds ``exp2(x * log2 e)`` back
   into ``exp(x)``, so interpret mode cannot tell the two apart: the GPU's ``ex2`` is checked
   against the XLA path on the H200 (``bench_kernels.py --check``).
 * ``dequant``: ``"jnp"``, or ``"asm"`` (a PTX decode without per-element conversion
@@ -61,6 +62,7 @@ BF16 = jnp.bfloat16
 I32 = jnp.int32
 NEG_START = -1e30  # the reference kernel's initial running max
 PREFETCH = ("none", "index", "late")
+DEQUANT = ("jnp", "asm")
 SOFTMAX = ("exp", "exp2")
 MERGE = ("xla", "triton")
 LOG2E = 1.4426950408889634
@@ -119,42 +121,44 @@ def _e2m1_field(words, n: int):
 
 
 # PTX for the GPU build (``dequant="asm"``): one code field of two adjacent words -> bf16x2,
-# exactly, with no conversion instructions. ``prmt`` brings the byte holding the code of each
-# word into the two halves; the code's bits are placed where a bf16's low exponent and high
-# mantissa bits are, which reads as the value times 2**-126 (e2m1) or 2**-120 (e4m3),
-# subnormals included; two exact bf16x2 multiplies (that power of two, then the scale: the
-# products have <= 8 significant bits) give the dequantised pair.
+# exactly, with no conversion instructions. ``prmt`` puts the byte holding the code of each
+# word into both bytes of a 16-bit half; the code's bits are placed where a bf16's low exponent
+# and high mantissa bits are (the magnitude from the low copy, the sign from the high copy),
+# which reads as the value times 2**-126 (e2m1) or 2**-120 (e4m3), subnormals included; two
+# exact bf16x2 multiplies (that power of two, then the scale: the products have <= 8
+# significant bits) give the dequantised pair.
 # $0: the bf16 pair; $1, $2: the two int32 words; $3, $4: their scales' bf16 bits.
-_DECODE_PTX = """{
+_DECODE_PTX = """{{
 .reg .b32 x, a, b, c, s;
-prmt.b32 x, $1, $2, SEL;
-shr.u32 x, x, SHIFT;
-shl.b32 a, x, MAG_SHL;
-and.b32 a, a, MAG_MASK;
-shl.b32 b, x, SIGN_SHL;
-and.b32 b, b, 0x80008000;
+prmt.b32 x, $1, $2, {sel};
+shl.b32 a, x, {mag_shl};
+and.b32 a, a, {mag_mask};
+{sign}
 or.b32 a, a, b;
-mov.b32 c, POW2;
+mov.b32 c, {pow2};
 mul.rn.bf16x2 a, a, c;
 prmt.b32 s, $3, $4, 0x5410;
 mul.rn.bf16x2 $0, a, s;
-}"""
-# per format: where the code's magnitude and sign bits go, and the bf16x2 power of two that
-# undoes the placement (e2m1 magnitude bits 0-2 -> 6-8, sign 3 -> 15, x 2**126; e4m3 bits
-# 0-6 -> 4-10, sign 7 -> 15, x 2**120)
-_DECODE_FIELDS = {"e2m1": {"MAG_SHL": "6", "MAG_MASK": "0x01C001C0", "SIGN_SHL": "12",
-                           "POW2": "0x7E807E80"},
-                  "e4m3": {"MAG_SHL": "4", "MAG_MASK": "0x07F007F0", "SIGN_SHL": "8",
-                           "POW2": "0x7B807B80"}}
+}}"""
+# per format: the magnitude's bit 0 goes to bit 6 (e2m1: 3 bits) or 4 (e4m3: 7 bits), and the
+# bf16x2 power of two that undoes the placement (2**126, 2**120)
+_DECODE_FIELDS = {"e2m1": (6, "0x01C001C0", "0x7E807E80"), "e4m3": (4, "0x07F007F0", "0x7B807B80")}
 
 
 def decode_ptx(fmt: str, byte: int, shift: int) -> str:
-    """The PTX decoding format ``fmt`` ("e2m1" | "e4m3") from byte ``byte`` of each word, that
-    byte shifted right by ``shift`` (4: the high nibble)."""
-    asm = _DECODE_PTX.replace("SEL", hex(byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12))
-    for key, val in dict(_DECODE_FIELDS[fmt], SHIFT=str(shift)).items():
-        asm = asm.replace(key, val)
-    return asm
+    """The PTX decoding format ``fmt`` ("e2m1" | "e4m3") from byte ``byte`` of each word, the
+    code at bit ``shift`` of that byte (4: the high nibble).
+
+    After the ``prmt``, each half holds the byte twice, so the code's magnitude (bits
+    ``shift..``) moves left by ``target - shift`` and its sign bit ``shift + width - 1`` sits at
+    bit ``8 + shift + width - 1`` of the half: already at bit 15 for the high nibble and e4m3
+    (one shift fewer each than with a right shift first), 4 below it for the low nibble."""
+    target, mag_mask, pow2 = _DECODE_FIELDS[fmt]
+    sign_bit = 8 + shift + (3 if fmt == "e2m1" else 7)
+    sign = ("and.b32 b, x, 0x80008000;" if sign_bit == 15 else
+            f"shl.b32 b, x, {15 - sign_bit};\nand.b32 b, b, 0x80008000;")
+    return _DECODE_PTX.format(sel=hex(byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12),
+                              mag_shl=target - shift, mag_mask=mag_mask, sign=sign, pow2=pow2)
 
 
 def _field_asm(fmt: str, byte: int, shift: int, words, scale_bits):
@@ -503,6 +507,10 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     B, S, H, K = q.shape
     tuning = dict(num_warps=num_warps, num_stages=num_stages, n_chunks=n_chunks,
                   dequant=dequant, prefetch=prefetch, softmax=softmax, merge=merge)
+    for key, allowed in (("dequant", DEQUANT), ("prefetch", PREFETCH), ("softmax", SOFTMAX),
+                         ("merge", MERGE)):   # checked first: also when nothing is listed
+        if tuning[key] is not None and tuning[key] not in allowed:
+            raise ValueError(f"{key} must be one of {allowed}, got {tuning[key]!r}")
     if H < 16 and not interpret and block_h is None:
         # fewer heads than the tensor-core tile (the test configs): zero heads pad the tile
         o, lse = sparse_attention(
@@ -548,14 +556,6 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     if n_chunks < 1 or n_chunks & (n_chunks - 1) or K // n_chunks < 32:
         raise ValueError(f"n_chunks={n_chunks} must be a power of two with K/n_chunks >= 32 "
                          f"(K={K})")
-    if tune["dequant"] not in ("asm", "jnp"):
-        raise ValueError(f"dequant must be 'asm' or 'jnp', got {tune['dequant']!r}")
-    if tune["prefetch"] not in PREFETCH:
-        raise ValueError(f"prefetch must be one of {PREFETCH}, got {tune['prefetch']!r}")
-    if tune["softmax"] not in SOFTMAX:
-        raise ValueError(f"softmax must be one of {SOFTMAX}, got {tune['softmax']!r}")
-    if tune["merge"] not in MERGE:
-        raise ValueError(f"merge must be one of {MERGE}, got {tune['merge']!r}")
     R = B * S
     u8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
     args = (q.reshape(R, H, K), lst.reshape(R, -1), top.reshape(R, -1), _words(win_kv),
