@@ -25,7 +25,8 @@ from dsv41_jax import parity  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="fixture parity")
     ap.add_argument("fixture_dir")
-    ap.add_argument("--case", action="append", default=None, help="only these cases")
+    ap.add_argument("--case", action="append", default=None,
+                    help="only this case (repeat the option for several)")
     ap.add_argument("--no-teacher-forced", action="store_true")
     ap.add_argument("--layers", default=None,
                     help="comma list: only these layers' teacher-forced blocks (default all)")
