@@ -1,6 +1,6 @@
 """The GPU build of the Triton kernel, checked on CPU: it lowers to Triton IR for an H200
 (Python-side errors of the non-interpret path surface here, not only on the device), and the
-PTX of the experimental ``dequant="asm"`` decode gives the exact e2m1/e4m3 values (the
+PTX of the ``dequant="asm"`` decode (the default) gives the exact e2m1/e4m3 values (the
 templates' instructions are emulated bit by bit)."""
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
 
 
 @pytest.mark.parametrize("rows, tune, kernels", [
-    # default: 64 heads, 10 list splits, merged by the split merge kernel
+    # default: 64 heads, 10 list splits, PTX decode, merged by the split merge kernel
     ("decode B=8", {}, ["csa2_sparse_attention", "csa2_merge_splits"]),
-    ("decode B=8", {"dequant": "asm", "softmax": "exp", "merge": "xla"},
+    ("decode B=8", {"dequant": "jnp", "softmax": "exp", "merge": "xla"},
      ["csa2_sparse_attention"]),
-    ("prefill 256", {}, ["csa2_sparse_attention"]),       # default: 64 heads, asm decode
+    ("prefill 256", {}, ["csa2_sparse_attention"]),       # default: 64 heads
     ("prefill 256", {"n_chunks": 2, "prefetch": "late"}, ["csa2_sparse_attention"]),
     ("prefill 256", {"n_chunks": 1, "prefetch": "index", "num_stages": 2},
      ["csa2_sparse_attention"]),

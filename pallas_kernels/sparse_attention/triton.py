@@ -456,11 +456,13 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
     blocks per split), then halve the head block (down to 32) while the programs still fit
     in one wave of 132 SMs. Decode B=1: 32 heads x 10 splits (9.9 us of kernel, 16.3 with
     the old 32 x 8); B=8: 64 heads x 10 splits (16.1 us, 18.9); B=64: 64 heads x 2 splits;
-    B>=128 and prefill: one program per query, with the PTX decode. 8 channel chunks (64
-    channels each at the release's K = 512; chunks of 64 for smaller K), no row prefetch,
-    8 warps, no software pipelining; the softmax's exponentials as ``exp2(x log2 e)`` and the
-    splits merged by :func:`merge_splits` (session 7, together: 6% faster at B=256 and
-    prefill, 0.5-4 us faster at B=1-64)."""
+    B>=128 and prefill: one program per query. The PTX decode everywhere (session 8: with the
+    split rows too, 2.6-5.6% faster at B=1-64 than the jnp decode). 8 channel chunks (64
+    channels each at the release's K = 512; chunks of 64 for smaller K: 1, 2 and 4 chunks
+    measured 15-75% slower in session 8), no row prefetch, 8 warps, no software pipelining;
+    the softmax's exponentials as ``exp2(x log2 e)`` and the splits merged by
+    :func:`merge_splits` (session 7, together: 6% faster at B=256 and prefill, 0.5-4 us
+    faster at B=1-64)."""
     block_h = min(heads, 64)
     programs = rows * (heads // block_h)
     n_splits = 1
@@ -471,11 +473,8 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
                and 2 * programs * n_splits <= 132):
             block_h //= 2
             programs *= 2
-    # the PTX decode measured 8-9% faster in v3 with one program per 64-head query and slower
-    # with list splits; in v4 the two decodes are within the run-to-run noise
-    dequant = "asm" if n_splits == 1 and block_h == 64 else "jnp"
     return {"block_h": block_h, "n_splits": n_splits, "num_warps": 8, "num_stages": 1,
-            "n_chunks": max(1, min(8, head_dim // 64)), "dequant": dequant, "prefetch": "none",
+            "n_chunks": max(1, min(8, head_dim // 64)), "dequant": "asm", "prefetch": "none",
             "softmax": "exp2", "merge": "triton"}
 
 
