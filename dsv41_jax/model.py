@@ -29,7 +29,7 @@ from dsv41_jax.layers.attention import Chunk, attention, kv_source_update
 from dsv41_jax.layers.linear import rms_norm
 from dsv41_jax.layers.moe import moe
 from dsv41_jax.layers.rope import rope_frequencies
-from pallas_kernels.indexer import impl_for_family
+from pallas_kernels.indexer import impl_for_family, select_impl_for_family
 from pallas_kernels.sparse_attention import resolve_impl
 
 F32 = jnp.float32
@@ -45,6 +45,7 @@ class Static(NamedTuple):
     batch_invariant: bool = False
     attn_impl: str = "xla"   # resolved sparse-attention implementation (never "auto")
     index_impl: str = "xla"  # resolved indexer-scores implementation (never "auto")
+    select_impl: str = "xla"  # resolved indexer top-k implementation (never "auto")
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -112,10 +113,10 @@ def _logits_at(params, cfg, X, pre_mix, last):
 
 
 def _make_chunk(cfg, positions, valid, p0, n, win_lo, decode, compat, attn_impl="xla",
-                win_width=0, index_impl="xla"):
+                win_width=0, index_impl="xla", select_impl="xla"):
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
     return Chunk(positions, valid, p0, n, win_lo, decode, compat, freqs, attn_impl, win_width,
-                 index_impl)
+                 index_impl, select_impl)
 
 
 def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
@@ -158,7 +159,8 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     extras["image_mask"] = image_mask
     # replay_len is min(W, S) on a fresh prefill, else W: the reference's window-list width
     ch = _make_chunk(cfg, positions, valid, p0, n, jnp.zeros_like(p0), decode, compat,
-                     static.attn_impl, 0 if decode else replay_len, static.index_impl)
+                     static.attn_impl, 0 if decode else replay_len, static.index_impl,
+                     static.select_impl)
     records = {} if static.collect else None
     X = _embed(params, cfg, tokens, embeds_override, image_mask)
     pre_mix = mhc.identity_pre_mix((B, S), cfg.hc_mult)
@@ -196,7 +198,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
         Xr = jnp.take_along_axis(enc_all_x, src[:, :, None, None], axis=1)
         pmr = jnp.take_along_axis(enc_all_pm, src[:, :, None], axis=1)
         ch_r = _make_chunk(cfg, rpos, rvalid, start, R, start, False, compat, static.attn_impl,
-                           replay_len, static.index_impl)
+                           replay_len, static.index_impl, static.select_impl)
         extras_r = dict(extras, engram_ids={}, token_mask=None,
                         image_mask=None if image_mask is None else jnp.take_along_axis(
                             jnp.concatenate([jnp.zeros((B, W), bool), image_mask], 1),
@@ -287,8 +289,9 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         attention and the FP4 state writes: ``"auto"`` picks the Triton kernels on GPU for
         calls of >= 64 query rows and the XLA path otherwise (CPU, TPU, small decode
         batches); ``"xla"``, ``"triton"``, ``"mosaic_tpu"`` (and their ``*_interpret``
-        variants) force one. The indexer scores follow the family at every batch size
-        (:func:`pallas_kernels.indexer.impl_for_family`).
+        variants) force one. The indexer scores and top-k follow the family at every batch size
+        (:func:`pallas_kernels.indexer.impl_for_family`, :func:`~pallas_kernels.indexer.
+        select_impl_for_family`).
 
     Returns ``(out, state)`` with ``out["logits"]`` fp32 [B, V] at each row's last token.
 
@@ -319,7 +322,8 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     rows = (1 if batch_invariant else B) * S
     static = Static(cfg, collect, batch_invariant, resolve_impl(
         attn_impl, rows=rows, heads=cfg.n_heads, head_dim=cfg.head_dim),
-        impl_for_family(attn_impl, cfg.index_n_heads, cfg.index_head_dim))
+        impl_for_family(attn_impl, cfg.index_n_heads, cfg.index_head_dim),
+        select_impl_for_family(attn_impl))
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
     return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
                       jnp.asarray(compat_stale_index_k), static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
@@ -342,7 +346,8 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
         raise ValueError(f"tokens must have shape [{B}] (one per row), got {tokens.shape}")
     _check_tokens(cfg, tokens)
     _check_capacity(cfg, state, np.ones((B,), np.int32))
-    static = Static(cfg, collect, batch_invariant, attn_impl, index_impl)
+    static = Static(cfg, collect, batch_invariant, attn_impl, index_impl,
+                    select_impl_for_family(attn_impl))
     out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
                             jnp.ones((B,), jnp.int32), state, None, None,
                             jnp.asarray(compat_stale_index_k), static=static,

@@ -25,7 +25,7 @@ import numpy as np
 
 from dsv41_jax import checkpoint, model, quant, state as st
 from dsv41_jax.config import LayerPlan, ModelConfig
-from pallas_kernels.indexer import impl_for_family
+from pallas_kernels.indexer import impl_for_family, select_impl_for_family
 from pallas_kernels.sparse_attention import resolve_impl
 
 
@@ -126,7 +126,8 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str
                            resolve_impl(attn_impl, rows=B * S, heads=cfg.n_heads,
                                         head_dim=cfg.head_dim),
                            index_impl=impl_for_family(attn_impl, cfg.index_n_heads,
-                                                      cfg.index_head_dim))
+                                                      cfg.index_head_dim),
+                           select_impl=select_impl_for_family(attn_impl))
     image_mask = jnp.asarray(f["prefill.image_mask"]) if "prefill.image_mask" in f.files else None
     engram_ids = {}
     if cfg.engram_layer_ids:

@@ -25,6 +25,7 @@ busy ~21 of ~40-120 us per call. Ratios to XLA and rates are given for both.
 from __future__ import annotations
 
 import argparse
+import functools
 import collections
 import gzip
 import json
@@ -359,17 +360,25 @@ def indexer_rows(impls, inner, reps, roof, key):
         fns["model path (xla)"] = lambda q, w, c, s, v: indexer.select_topk(
             indexer.index_scores(q, w, st.dequant_index_k(c, s), v), TOPK)
         if "triton" in impls:
-            fns["model path (triton)"] = lambda q, w, c, s, v: indexer.select_topk_radix(
-                pidx.index_scores(q, w, c, s, v, impl="triton"), TOPK)
+            fns["model path (triton)"] = lambda q, w, c, s, v: pidx.select_topk(
+                pidx.index_scores(q, w, c, s, v, impl="triton"), TOPK, impl="triton")
         # the selection alone, on precomputed bf16-representable scores (as the indexer's)
         topk_sets = [(jnp.where(jnp.arange(T) < vis[..., None],
                                 jax.random.normal(jax.random.fold_in(ks[3], i), (B, 1, T), F32)
                                 .astype(BF16).astype(F32), -jnp.inf),) for i in range(len(sets))]
-        for label, fn in (("top-k sort (xla)", indexer.select_topk),
-                          ("top-k radix (xla)", indexer.select_topk_radix)):
-            t = time_fn(lambda x, fn=fn: fn(x, TOPK), topk_sets, reps)
-            res["impls"][label] = {"us": t * 1e6}
-            print(f"  indexer decode B={B:3d} T={T:6d} {label:20s} {t * 1e6:9.1f} us", flush=True)
+        selections = [("top-k sort (xla)", indexer.select_topk),
+                      ("top-k radix (xla)", indexer.select_topk_radix)]
+        if "triton" in impls:
+            selections.append(("top-k kernel (triton)", functools.partial(pidx.select_topk,
+                                                                          impl="triton")))
+        for label, fn in selections:
+            m = measure(lambda x, fn=fn: fn(x, TOPK), topk_sets, reps, profile=True)
+            t, dev = m["wall_s"], m.get("device_s")
+            res["impls"][label] = {"us": t * 1e6, "device_us": None if dev is None else dev * 1e6,
+                                   "kernels": m.get("kernels")}
+            dtxt = "" if dev is None else f" | device {dev * 1e6:9.1f} us"
+            print(f"  indexer decode B={B:3d} T={T:6d} {label:20s} {t * 1e6:9.1f} us{dtxt}",
+                  flush=True)
         for label, fn in fns.items():
             try:
                 t = time_fn(fn, sets, reps)
@@ -439,6 +448,7 @@ def check(key, impls, only=None, tunings=({},)) -> list[dict]:
             print(f"{'ok  ' if ok else 'FAIL'} {name:34s} {label:8s} max|d|={d.max():.3g} "
                   f"bitwise={row['bitwise_equal_frac']:.4f} in-tol={row['within_tol_frac']:.5f}"
                   f" lse|d|={lse_d:.2g}", flush=True)
+    from dsv41_jax.layers import indexer
     from pallas_kernels import indexer as pidx
     for B, T in ((8, 32768), (2, 1000)):
         q, w, codes, scale = make_indexer_inputs(jax.random.fold_in(key, T), B, 2, T)
@@ -458,6 +468,15 @@ def check(key, impls, only=None, tunings=({},)) -> list[dict]:
                         "bitwise_equal_frac": float((d == 0).mean())})
             print(f"{'ok  ' if ok else 'FAIL'} {name:34s} {impl:8s} max|d|={d.max():.3g} "
                   f"bitwise={(d == 0).mean():.5f}", flush=True)
+            # the selection kernel on these scores: the radix selection's picks, bit for bit
+            name = f"indexer top-k B={B} S=2 T={T}"
+            ref_k = np.asarray(indexer.select_topk_radix(jnp.asarray(got), TOPK))
+            got_k = np.asarray(pidx.select_topk(jnp.asarray(got), TOPK, impl=impl))
+            ok = bool(np.array_equal(got_k, ref_k))
+            out.append({"case": name, "impl": impl, "ok": ok,
+                        "equal_frac": float((got_k == ref_k).mean())})
+            print(f"{'ok  ' if ok else 'FAIL'} {name:34s} {impl:8s} equal="
+                  f"{(got_k == ref_k).mean():.5f}", flush=True)
     try:
         from pallas_kernels import fp4
     except ImportError:

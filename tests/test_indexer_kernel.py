@@ -90,6 +90,19 @@ def test_dispatch_and_errors():
     assert pidx.impl_for_family("triton_interpret", 4, 64) == "triton_interpret"
     assert pidx.impl_for_family("auto", 32, 128, backend="gpu") == "triton"
     assert pidx.impl_for_family("mosaic_gpu", 32, 128) == "xla"
+    # the top-k selection kernel reads only the scores: any indexer dims
+    assert pidx.select_impl_for_family("triton", backend="gpu") == "triton"
+    assert pidx.select_impl_for_family("auto", backend="gpu") == "triton"
+    assert pidx.select_impl_for_family("auto", backend="cpu") == "xla"
+    assert pidx.select_impl_for_family("triton_interpret") == "triton_interpret"
+    assert pidx.select_impl_for_family("mosaic_tpu", backend="gpu") == "xla"
+    with pytest.raises(ValueError, match="attn_impl"):
+        pidx.select_impl_for_family("cuda")
+    s = jnp.zeros((1, 1, 40), F32)
+    with pytest.raises(ValueError, match="GPU"):
+        pidx.select_topk(s, 8, impl="triton")                          # this is a CPU run
+    with pytest.raises(ValueError, match="impl"):
+        pidx.select_topk(s, 8, impl="gpu")
     with pytest.raises(ValueError, match="GPU"):
         pidx.index_scores(q, w, codes, scale, vis, impl="triton")      # this is a CPU run
     with pytest.raises(ValueError, match="attn_impl"):
@@ -126,6 +139,23 @@ def test_gpu_kernel_lowers_for_h200(tune):
     assert [o.shape for o in exported.out_avals] == [(8, 1, 4000)]
 
 
+def _score_trials(rng, n, B, S, max_T, max_k):
+    """``n`` random rows of bf16-representable scores ``(trial, T, k, x fp32 [B, S, T])``, in
+    turn: normal, many ties, only signed zeros / +-1 / +-inf / NaN, 60 decades of magnitude;
+    each row masked to -inf past a random visible length."""
+    for trial in range(n):
+        T = int(rng.integers(1, max_T))
+        k = int(rng.integers(1, max_k))
+        x = [rng.standard_normal((B, S, T)),
+             rng.integers(-3, 4, (B, S, T)) * 0.5,                                # many ties
+             rng.choice([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan], (B, S, T)),
+             rng.standard_normal((B, S, T)) * 10.0 ** rng.integers(-30, 30, (B, S, T)),
+             ][trial % 4]
+        x = jnp.asarray(x, F32).astype(BF16).astype(F32)
+        vis = rng.integers(0, T + 1, (B, S))
+        yield trial, T, k, jnp.where(jnp.arange(T)[None, None] < vis[..., None], x, -jnp.inf)
+
+
 def test_radix_topk_equals_sorting_topk():
     """``select_topk_radix`` (16-way key search, no sort) gives ``select_topk``'s result bit for
     bit: ties at the threshold go to the lower positions, -0 < +0 as in ``lax.top_k``, NaN and
@@ -134,18 +164,46 @@ def test_radix_topk_equals_sorting_topk():
     rng = np.random.default_rng(0)
     sort_k = jax.jit(indexer.select_topk, static_argnums=1)
     radix_k = jax.jit(indexer.select_topk_radix, static_argnums=1)
-    for trial in range(24):
-        T = int(rng.integers(1, 2000))
-        k = int(rng.integers(1, 600))
-        x = [rng.standard_normal((2, 3, T)),
-             rng.integers(-3, 4, (2, 3, T)) * 0.5,                                # many ties
-             rng.choice([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan], (2, 3, T)),
-             rng.standard_normal((2, 3, T)) * 10.0 ** rng.integers(-30, 30, (2, 3, T)),
-             ][trial % 4]
-        x = jnp.asarray(x, F32).astype(BF16).astype(F32)
-        vis = rng.integers(0, T + 1, (2, 3))
-        x = jnp.where(jnp.arange(T)[None, None] < vis[..., None], x, -jnp.inf)
+    for trial, T, k, x in _score_trials(rng, 24, 2, 3, 2000, 600):
         np.testing.assert_array_equal(np.asarray(radix_k(x, k)), np.asarray(sort_k(x, k)),
                                       err_msg=f"trial {trial}: T={T} k={k}")
     empty = jnp.zeros((2, 3, 0), F32)     # an empty KV source (a state of capacity 1)
     assert radix_k(empty, 8).shape == sort_k(empty, 8).shape == (2, 3, 0)
+
+
+def test_selection_kernel_equals_radix_topk():
+    """The Triton selection kernel (interpret mode) picks what ``select_topk_radix`` picks, bit
+    for bit, with the row held in registers (one tile) and streamed (tiles of 256, the writing
+    pass in tiles of up to 256): ties, signed zeros, NaN / -inf, k past T and past the
+    finite entries."""
+    from dsv41_jax.layers import indexer
+    from pallas_kernels.indexer import topk_triton as ttk
+    rng = np.random.default_rng(1)
+    radix_k = jax.jit(indexer.select_topk_radix, static_argnums=1)
+    for trial, T, k, x in _score_trials(rng, 8, 2, 2, 1200, 400):
+        tile = None if trial < 4 else 256
+        got = ttk.select_topk(x, k, interpret=True, tile=tile)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(radix_k(x, k)),
+                                      err_msg=f"trial {trial}: T={T} k={k} tile={tile}")
+    assert ttk.select_topk(jnp.zeros((2, 3, 0), F32), 8, interpret=True).shape == (2, 3, 0)
+    with pytest.raises(ValueError, match="k must"):
+        ttk.select_topk(jnp.zeros((1, 1, 4), F32), 0, interpret=True)
+    with pytest.raises(ValueError, match="score"):
+        ttk.select_topk(jnp.zeros((1, 4), F32), 2, interpret=True)
+    with pytest.raises(ValueError, match="tile"):
+        ttk.select_topk(jnp.zeros((1, 1, 4), F32), 2, interpret=True, tile=6)
+
+
+@pytest.mark.parametrize("T", [32768, 40000])
+def test_selection_kernel_lowers_for_h200(T):
+    """The GPU build of the selection kernel lowers for an H200 on CPU: a decode row held in
+    registers (32K scores) and a longer one streamed in tiles."""
+    from pallas_kernels.indexer import topk_triton as ttk
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    f = jax.jit(functools.partial(ttk.select_topk, k=512))
+    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
+        exported = jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(
+            jax.ShapeDtypeStruct((8, 1, T), F32))
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
+    assert [o.shape for o in exported.out_avals] == [(8, 1, 512)]

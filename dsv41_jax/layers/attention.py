@@ -43,6 +43,7 @@ class Chunk(NamedTuple):
     attn_impl: str = "xla"         # sparse attention implementation (pallas_kernels IMPLS)
     win_width: int = 0             # prefill window-list width (0: W); min(S, W) on a fresh prefill
     index_impl: str = "xla"        # indexer scores implementation (pallas_kernels.indexer IMPLS)
+    select_impl: str = "xla"       # indexer top-k implementation (pallas_kernels.indexer IMPLS)
 
 
 # ----------------------------------------------------------------------------- sparse attention
@@ -222,10 +223,8 @@ def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, state, bus, c
             record["candidates"], record["candidate_block_score"] = cand, bscore
     if role.uses_candidates:
         score = jnp.where(bus["candidates"], score, -jnp.inf)
-    # with the GPU kernels: the sort-free selection (same picks; 1.3-3x faster on the H200)
-    select = (indexer.select_topk_radix if ch.index_impl in ("triton", "triton_interpret")
-              else indexer.select_topk)
-    topk = select(score, cfg.index_topk)
+    # with the GPU kernels: the one-kernel selection (same picks as the sort)
+    topk = index_kernels.select_topk(score, cfg.index_topk, impl=ch.select_impl)
     if record is not None:
         record["index_score"], record["index_topk"] = score, topk
     return dict(bus, topk=topk)

@@ -9,7 +9,11 @@ One public op, :func:`index_scores`, with implementations behind ``impl``:
 * ``"triton_interpret"``: the same kernel in Pallas interpret mode (CPU tests);
 * ``"auto"``: ``triton`` on a GPU for shapes it tiles (:func:`triton.supports`), else ``xla``.
 
-The top-k and the candidate pool stay in XLA (:mod:`dsv41_jax.layers.indexer`).
+:func:`select_topk` picks the top-k of the scores with the same ``impl`` names: ``"xla"`` sorts
+(``lax.top_k``, :func:`dsv41_jax.layers.indexer.select_topk`), ``"triton"`` runs the one-kernel
+selection (``topk_triton.py``; bit for bit the XLA radix selection
+:func:`dsv41_jax.layers.indexer.select_topk_radix`, its reference). The candidate pool stays in
+XLA (:mod:`dsv41_jax.layers.indexer`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from jaxtyping import Array, BFloat16, Float, Int, UInt8
 
 IMPLS = ("auto", "xla", "triton", "triton_interpret")
 
-__all__ = ["IMPLS", "impl_for_family", "index_scores", "resolve_impl"]
+__all__ = ["IMPLS", "impl_for_family", "index_scores", "resolve_impl", "select_impl_for_family",
+           "select_topk"]
 
 
 def resolve_impl(impl: str, heads: int, head_dim: int, backend: str | None = None) -> str:
@@ -102,3 +107,46 @@ def index_scores(q: BFloat16[Array, "B S I J"], w: BFloat16[Array, "B S I"],
     from pallas_kernels.indexer import triton
     return triton.index_scores(q, w, codes, scale, visible, interpret=impl.endswith("interpret"),
                                **tuning)
+
+
+def select_impl_for_family(attn_impl: str, backend: str | None = None) -> str:
+    """The top-k selection implementation that goes with the model's kernel family
+    ``attn_impl``: the selection kernel (``"triton"``) for ``"auto"`` and ``"triton"`` on a GPU,
+    at any indexer dims (it reads only the scores); ``"triton_interpret"`` for that family;
+    ``"xla"`` otherwise. Raises ``ValueError`` for an unknown family."""
+    from pallas_kernels.sparse_attention import IMPLS as FAMILIES
+    if attn_impl not in FAMILIES:
+        raise ValueError(f"attn_impl must be one of {FAMILIES}, got {attn_impl!r}")
+    if attn_impl == "triton_interpret":
+        return attn_impl
+    on_gpu = (backend or jax.default_backend()) in ("gpu", "cuda")
+    return "triton" if attn_impl in ("auto", "triton") and on_gpu else "xla"
+
+
+def select_topk(score: Float[Array, "B S T"], k: int, *, impl: str = "auto"
+                ) -> Int[Array, "B S k"]:
+    """Top-``k`` positions of each row of the indexer scores, ascending, ``-1`` after the last
+    pick (int32 [B, S, min(k, T)]; spec 3.6f). Ties go to the lower position; ``-inf`` and NaN
+    are never picked.
+
+    ``impl``: ``"xla"`` (``lax.top_k`` and a sort), ``"triton"`` / ``"triton_interpret"`` (the
+    selection kernel for rows of up to ``topk_triton.TILE`` scores, where it is the faster
+    one; the XLA radix selection, same picks, for longer rows; the scores must be
+    bf16-representable, as the indexer's are: both rank them by their upper 16 bits),
+    ``"auto"`` (``triton`` on a GPU, else ``xla``). Raises ``ValueError`` for an unknown
+    ``impl`` and for ``"triton"`` without a GPU.
+    """
+    from dsv41_jax.layers import indexer
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "triton" if jax.default_backend() in ("gpu", "cuda") else "xla"
+    if impl == "xla":
+        return indexer.select_topk(score, k)
+    if impl == "triton" and jax.default_backend() not in ("gpu", "cuda"):
+        raise ValueError(f"impl='triton' needs a GPU backend (got {jax.default_backend()!r}); "
+                         "use 'triton_interpret' on CPU")
+    from pallas_kernels.indexer import topk_triton
+    if not topk_triton.preferred(score.shape[-1]):
+        return indexer.select_topk_radix(score, k)
+    return topk_triton.select_topk(score, k, interpret=impl.endswith("interpret"))
