@@ -112,6 +112,20 @@ def _logits_at(params, cfg, X, pre_mix, last):
     return head_logits(params, cfg, X_last, pm_last)[1]
 
 
+def kernel_impls(cfg: ModelConfig, attn_impl: str, rows: int, backend: str | None = None
+                 ) -> tuple[str, str, str]:
+    """``(sparse attention, indexer scores, indexer top-k)`` implementations for the kernel
+    family ``attn_impl`` and a call of ``rows = B * S`` query rows on ``backend`` (default:
+    JAX's): the attention by rows and shapes (:func:`pallas_kernels.sparse_attention.
+    resolve_impl`), the indexer's two at every batch size, from the family itself
+    (:func:`pallas_kernels.indexer.impl_for_family`, :func:`~pallas_kernels.indexer.
+    select_impl_for_family`). Raises ``ValueError`` for an unknown family."""
+    return (resolve_impl(attn_impl, backend, rows=rows, heads=cfg.n_heads,
+                         head_dim=cfg.head_dim),
+            impl_for_family(attn_impl, cfg.index_n_heads, cfg.index_head_dim, backend),
+            select_impl_for_family(attn_impl, backend))
+
+
 def _make_chunk(cfg, positions, valid, p0, n, win_lo, decode, compat, attn_impl="xla",
                 win_width=0, index_impl="xla", select_impl="xla"):
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
@@ -320,10 +334,7 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
     # the kernel choice depends on the rows of one call: with batch_invariant a row runs alone
     rows = (1 if batch_invariant else B) * S
-    static = Static(cfg, collect, batch_invariant, resolve_impl(
-        attn_impl, rows=rows, heads=cfg.n_heads, head_dim=cfg.head_dim),
-        impl_for_family(attn_impl, cfg.index_n_heads, cfg.index_head_dim),
-        select_impl_for_family(attn_impl))
+    static = Static(cfg, collect, batch_invariant, *kernel_impls(cfg, attn_impl, rows))
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
     return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
                       jnp.asarray(compat_stale_index_k), static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
@@ -338,16 +349,14 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
     outside [0, vocab), a batch mismatch, a full state or an unknown attn_impl.
     """
     rows = 1 if batch_invariant else int(np.asarray(tokens).size)
-    index_impl = impl_for_family(attn_impl, cfg.index_n_heads, cfg.index_head_dim)
-    attn_impl = resolve_impl(attn_impl, rows=rows, heads=cfg.n_heads, head_dim=cfg.head_dim)
+    impls = kernel_impls(cfg, attn_impl, rows)
     tokens = np.asarray(tokens).reshape(-1)
     B = state["pos"].shape[0]
     if tokens.shape != (B,):
         raise ValueError(f"tokens must have shape [{B}] (one per row), got {tokens.shape}")
     _check_tokens(cfg, tokens)
     _check_capacity(cfg, state, np.ones((B,), np.int32))
-    static = Static(cfg, collect, batch_invariant, attn_impl, index_impl,
-                    select_impl_for_family(attn_impl))
+    static = Static(cfg, collect, batch_invariant, *impls)
     out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
                             jnp.ones((B,), jnp.int32), state, None, None,
                             jnp.asarray(compat_stale_index_k), static=static,

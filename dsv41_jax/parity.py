@@ -25,8 +25,6 @@ import numpy as np
 
 from dsv41_jax import checkpoint, model, quant, state as st
 from dsv41_jax.config import LayerPlan, ModelConfig
-from pallas_kernels.indexer import impl_for_family, select_impl_for_family
-from pallas_kernels.sparse_attention import resolve_impl
 
 
 @dataclasses.dataclass
@@ -121,13 +119,10 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str
     out = []
     base = pack_sources(cfg, st.init_state(cfg, B, cap), f, "after_prefill")
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    attn_i, index_i, select_i = model.kernel_impls(cfg, attn_impl, B * S)
     ch = model._make_chunk(cfg, pos, jnp.ones((B, S), bool), jnp.zeros(B, jnp.int32),
                            jnp.full(B, S, jnp.int32), jnp.zeros(B, jnp.int32), False, False,
-                           resolve_impl(attn_impl, rows=B * S, heads=cfg.n_heads,
-                                        head_dim=cfg.head_dim),
-                           index_impl=impl_for_family(attn_impl, cfg.index_n_heads,
-                                                      cfg.index_head_dim),
-                           select_impl=select_impl_for_family(attn_impl))
+                           attn_i, index_impl=index_i, select_impl=select_i)
     image_mask = jnp.asarray(f["prefill.image_mask"]) if "prefill.image_mask" in f.files else None
     engram_ids = {}
     if cfg.engram_layer_ids:

@@ -186,12 +186,40 @@ def test_selection_kernel_equals_radix_topk():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(radix_k(x, k)),
                                       err_msg=f"trial {trial}: T={T} k={k} tile={tile}")
     assert ttk.select_topk(jnp.zeros((2, 3, 0), F32), 8, interpret=True).shape == (2, 3, 0)
-    with pytest.raises(ValueError, match="k must"):
-        ttk.select_topk(jnp.zeros((1, 1, 4), F32), 0, interpret=True)
+    assert ttk.select_topk(jnp.zeros((0, 3, 5), F32), 8, interpret=True).shape == (0, 3, 5)
+    s = jnp.zeros((1, 1, 4), F32)
+    for bad_k in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="k must"):
+            ttk.select_topk(s, bad_k, interpret=True)
+        with pytest.raises(ValueError, match="k must"):
+            pidx.select_topk(s, bad_k, impl="xla")
     with pytest.raises(ValueError, match="score"):
         ttk.select_topk(jnp.zeros((1, 4), F32), 2, interpret=True)
+    with pytest.raises(ValueError, match="score"):
+        pidx.select_topk(s.astype(BF16), 2, impl="xla")
     with pytest.raises(ValueError, match="tile"):
-        ttk.select_topk(jnp.zeros((1, 1, 4), F32), 2, interpret=True, tile=6)
+        ttk.select_topk(s, 2, interpret=True, tile=6)
+    with pytest.raises(ValueError, match="tile"):
+        ttk.select_topk(s, 2, interpret=True, tile=0)
+    # the packed scan's 16-bit fields: larger writing tiles would overflow them
+    with pytest.raises(ValueError, match="write_tile"):
+        ttk.select_topk(s, 2, interpret=True, write_tile=2 * ttk.MAX_WRITE_TILE)
+    with pytest.raises(ValueError, match="num_warps"):
+        ttk.select_topk(s, 2, interpret=True, num_warps=6)
+
+
+def test_kernel_impls_per_call(tiny_a):
+    """prefill / decode_step / parity take their three implementations from the family, the
+    indexer's at every batch size: a small GPU decode batch keeps the XLA attention but gets
+    the selection kernel (whatever the indexer dims)."""
+    from dsv41_jax import model
+    cfg = tiny_a[0]
+    assert model.kernel_impls(cfg, "auto", 8, backend="gpu") == ("xla", "xla", "triton")
+    assert model.kernel_impls(cfg, "auto", 8, backend="cpu") == ("xla", "xla", "xla")
+    assert model.kernel_impls(cfg, "xla", 8, backend="gpu") == ("xla", "xla", "xla")
+    assert model.kernel_impls(cfg, "triton_interpret", 8) == ("triton_interpret",) * 3
+    with pytest.raises(ValueError, match="attn_impl|impl"):
+        model.kernel_impls(cfg, "cuda", 8)
 
 
 @pytest.mark.parametrize("T", [32768, 40000])

@@ -134,11 +134,18 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, impl: str = "auto"
     one; the XLA radix selection, same picks, for longer rows; the scores must be
     bf16-representable, as the indexer's are: both rank them by their upper 16 bits),
     ``"auto"`` (``triton`` on a GPU, else ``xla``). Raises ``ValueError`` for an unknown
-    ``impl`` and for ``"triton"`` without a GPU.
+    ``impl``, ``"triton"`` without a GPU, a ``score`` that is not fp32 [B, S, T] or a ``k``
+    that is not an integer >= 1.
     """
+    import jax.numpy as jnp
+    import numpy as np
     from dsv41_jax.layers import indexer
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if score.ndim != 3 or score.dtype != jnp.float32:
+        raise ValueError(f"score: expected fp32 [B, S, T], got {score.dtype} {score.shape}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
     if impl == "auto":
         impl = "triton" if jax.default_backend() in ("gpu", "cuda") else "xla"
     if impl == "xla":

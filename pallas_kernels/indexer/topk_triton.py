@@ -11,15 +11,16 @@ picked, ``-0 < +0`` (IEEE total order on the 16-bit order keys).
   significant first: bit b is set when at least ``k`` keys are ``>= v | 2**b``. Each step is
   one compare-and-count reduction over the program's threads.
 * Rows of up to :data:`TILE` scores are held in registers for all 16 steps (one load); longer
-  rows are streamed in tiles of :data:`TILE` for every step (17 passes over L2).
+  rows are streamed in tiles of :data:`TILE` for every step and the count above ``v`` (17
+  reads of the row, plus the writing pass's).
 * The picks (every key ``> v``, then the lowest positions with key ``== v`` up to ``k``) are
   written in position order: running counts over the tiles and one inclusive scan inside a
   tile (of the keys above v and the keys equal to v, packed in one int32) give each pick its
   slot, and a masked scatter store writes it. The slots after the
   last pick get ``-1`` (a store disjoint from the picks' slots).
 
-The XLA radix selection it replaces runs as about 15 XLA kernels per call (four counting
-passes of 15 candidates each, two scans, a scatter); this is one kernel.
+The XLA radix selection it replaces runs as 15-16 kernels per call on the H200 (the counting
+passes, the scans, the scatter; session 8's profile), the sort as 12-49; this is one kernel.
 """
 
 from __future__ import annotations
@@ -28,14 +29,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
 F32 = jnp.float32
 I32 = jnp.int32
-TILE = 32768      # scores per counting tile: 128 int32 keys per thread with 8 warps
-WRITE_TILE = 8192  # scores per step of the writing pass (two scans and a scatter)
+TILE = 32768      # scores per counting tile: 64 int32 keys per thread with 16 warps
+WRITE_TILE = 8192  # scores per step of the writing pass (one packed scan and a scatter)
+MAX_WRITE_TILE = 1 << 14   # the packed scan's 16-bit fields (the upper one signed) stay exact
+MAX_TILE = 1 << 20   # Triton's largest tensor
 KEY_NEG_INF = 0x7F   # the order key of -inf (NaN is mapped to -inf first)
 
 
@@ -86,7 +90,8 @@ def _kernel(score_ref, out_ref, *, T, k, tile, n_tiles, k_pad, write_tile):
         key = keys(i, w_tile)       # read again: the resident keys are dead by now
         gt, eq = key > v, (key == v) & eq_ok
         # one scan for both running counts: keys above v in the low 16 bits, keys equal to v
-        # in the high 16 (a tile has fewer than 2**16 entries, so no carry)
+        # in the high 16 (a tile has at most MAX_WRITE_TILE = 2**14 entries: no carry out of
+        # the low field, no sign bit reached in the high one)
         packed = gt.astype(I32) + (eq.astype(I32) << 16)
         scan = jnp.cumsum(packed)
         gt_incl, eq_incl = (scan & 0xFFFF) + gt_seen, (scan >> 16) + eq_seen
@@ -108,8 +113,9 @@ def _kernel(score_ref, out_ref, *, T, k, tile, n_tiles, k_pad, write_tile):
 
 def preferred(T: int) -> bool:
     """Whether the kernel is the faster selection for rows of ``T`` scores on the H200: rows
-    held in registers (``T <= TILE``: 1.3-4.8x the XLA radix selection at B=1-64 over 32K
-    scores); streamed rows measured 2.2x slower than the radix selection (B=8, 64K scores)."""
+    held in registers (``T <= TILE``: 26-27 us, 2.0-7.3x the XLA radix selection at B=1-64
+    over 32K scores); streamed rows measured 2.2x slower than the radix selection (B=8, 64K
+    scores; docs/benchmarks.md)."""
     return 1 <= T <= TILE
 
 
@@ -124,23 +130,26 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, interpret: bool = False
 
     ``tile``: scores per counting step (a power of two; default: the row padded to a power of
     two, up to :data:`TILE`; rows longer than ``tile`` are streamed), ``write_tile``: scores
-    per step of the writing pass (a power of two), ``num_warps``: Triton warps (default 8 for
-    tiles of 8192 and more, else 4), ``interpret``: Pallas interpret mode (CPU). Raises
-    ``ValueError`` for ``k < 1``, a non-fp32 or non-3-D ``score``, or a tile that is not a
-    power of two.
+    per step of the writing pass (a power of two <= :data:`MAX_WRITE_TILE`), ``num_warps``:
+    Triton warps (a power of two; default 16 for tiles of 16384 and more, 8 from 4096, else
+    4), ``interpret``: Pallas interpret mode (CPU). Raises ``ValueError`` for a ``k`` that is
+    not an integer >= 1, a non-fp32 or non-3-D ``score``, or a tile, writing tile or warp
+    count outside those limits.
     """
     if score.ndim != 3 or score.dtype != F32:
         raise ValueError(f"score: expected fp32 [B, S, T], got {score.dtype} {score.shape}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    k = int(k)
+    for name, t, top in (("tile", tile, MAX_TILE), ("write_tile", write_tile, MAX_WRITE_TILE),
+                         ("num_warps", num_warps, 32)):
+        if t is not None and (t < 1 or t & (t - 1) or t > top):
+            raise ValueError(f"{name} must be a power of two <= {top}, got {t}")
     B, S, T = score.shape
     k = min(k, T)
-    if T == 0:
-        return jnp.zeros((B, S, 0), I32)
+    if T == 0 or B * S == 0:
+        return jnp.zeros((B, S, k), I32)
     tile = tile or min(_next_pow2(T), TILE)
-    for name, t in (("tile", tile), ("write_tile", write_tile)):
-        if t < 1 or t & (t - 1):
-            raise ValueError(f"{name} must be a power of two, got {t}")
     n_tiles = -(-T // tile)
     R, k_pad = B * S, _next_pow2(k)
     warps = num_warps or (16 if tile >= 16384 else 8 if tile >= 4096 else 4)
