@@ -34,6 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
+from dsv41_jax.layers.indexer import _bf16_order_key
+
 F32 = jnp.float32
 I32 = jnp.int32
 TILE = 32768      # scores per counting tile: 64 int32 keys per thread with 16 warps
@@ -48,11 +50,9 @@ def _next_pow2(n: int) -> int:
 
 
 def _order_key(score):
-    """fp32 scores (bf16-representable; NaN -> -inf) -> int32 keys in [0, 65535] in IEEE total
-    order, as ``indexer._bf16_order_key``."""
-    score = jnp.where(score != score, -jnp.inf, score)
-    u = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(score, I32), 16)
-    return jnp.where(u >= 0x8000, 0xFFFF - u, u | 0x8000)
+    """fp32 scores (bf16-representable) -> the radix selection's int32 order keys
+    (``indexer._bf16_order_key``), NaN counted as -inf (never picked)."""
+    return _bf16_order_key(jnp.where(score != score, -jnp.inf, score))
 
 
 def _kernel(score_ref, out_ref, *, T, k, tile, n_tiles, k_pad, write_tile):
