@@ -362,23 +362,7 @@ def indexer_rows(impls, inner, reps, roof, key):
         if "triton" in impls:
             fns["model path (triton)"] = lambda q, w, c, s, v: pidx.select_topk(
                 pidx.index_scores(q, w, c, s, v, impl="triton"), TOPK, impl="triton")
-        # the selection alone, on precomputed bf16-representable scores (as the indexer's)
-        topk_sets = [(jnp.where(jnp.arange(T) < vis[..., None],
-                                jax.random.normal(jax.random.fold_in(ks[3], i), (B, 1, T), F32)
-                                .astype(BF16).astype(F32), -jnp.inf),) for i in range(len(sets))]
-        selections = [("top-k sort (xla)", indexer.select_topk),
-                      ("top-k radix (xla)", indexer.select_topk_radix)]
-        if "triton" in impls:
-            selections.append(("top-k kernel (triton)", functools.partial(pidx.select_topk,
-                                                                          impl="triton")))
-        for label, fn in selections:
-            m = measure(lambda x, fn=fn: fn(x, TOPK), topk_sets, reps, profile=True)
-            t, dev = m["wall_s"], m.get("device_s")
-            res["impls"][label] = {"us": t * 1e6, "device_us": None if dev is None else dev * 1e6,
-                                   "kernels": m.get("kernels")}
-            dtxt = "" if dev is None else f" | device {dev * 1e6:9.1f} us"
-            print(f"  indexer decode B={B:3d} T={T:6d} {label:20s} {t * 1e6:9.1f} us{dtxt}",
-                  flush=True)
+        selection_timings(res, impls, B, T, ks[3], len(sets), reps)
         for label, fn in fns.items():
             try:
                 t = time_fn(fn, sets, reps)
@@ -395,7 +379,34 @@ def indexer_rows(impls, inner, reps, roof, key):
         if "us" in ok.get("scores xla", {}) and "us" in ok.get("scores triton", {}):
             res["speedup_vs_xla"] = ok["scores xla"]["us"] / ok["scores triton"]["us"]
         rows.append(res)
+    for B, T in ((1, 262144), (8, 1048576)):   # long contexts: the selection alone
+        res = {"name": f"top-k selection B={B} T={T}", "B": B, "T": T, "impls": {}}
+        selection_timings(res, impls, B, T, jax.random.fold_in(key, T), max(2, inner // 2),
+                          reps)
+        rows.append(res)
     return rows
+
+
+def selection_timings(res, impls, B, T, key, n_sets, reps):
+    """The top-k selection alone over ``n_sets`` rows of B x T bf16-representable scores (as
+    the indexer's), device times: sorting ``lax.top_k``, the XLA radix selection and (with
+    ``triton`` in ``impls``) the selection kernel; into ``res["impls"]``."""
+    from dsv41_jax.layers import indexer
+    from pallas_kernels import indexer as pidx
+    topk_sets = [(jax.random.normal(jax.random.fold_in(key, i), (B, 1, T), F32)
+                  .astype(BF16).astype(F32),) for i in range(n_sets)]
+    selections = [("top-k sort (xla)", indexer.select_topk),
+                  ("top-k radix (xla)", indexer.select_topk_radix)]
+    if "triton" in impls:
+        selections.append(("top-k kernel (triton)", functools.partial(pidx.select_topk,
+                                                                      impl="triton")))
+    for label, fn in selections:
+        m = measure(lambda x, fn=fn: fn(x, TOPK), topk_sets, reps, profile=True)
+        t, dev = m["wall_s"], m.get("device_s")
+        res["impls"][label] = {"us": t * 1e6, "device_us": None if dev is None else dev * 1e6,
+                               "kernels": m.get("kernels")}
+        dtxt = "" if dev is None else f" | device {dev * 1e6:9.1f} us"
+        print(f"  top-k B={B:3d} T={T:7d} {label:20s} {t * 1e6:9.1f} us{dtxt}", flush=True)
 
 
 # ----------------------------------------------------------------------------- check
@@ -450,7 +461,7 @@ def check(key, impls, only=None, tunings=({},)) -> list[dict]:
                   f" lse|d|={lse_d:.2g}", flush=True)
     from dsv41_jax.layers import indexer
     from pallas_kernels import indexer as pidx
-    for B, T in ((8, 32768), (2, 1000)):
+    for B, T in ((8, 32768), (2, 1000), (2, 100000)):   # 100000: selected in 13 segments
         q, w, codes, scale = make_indexer_inputs(jax.random.fold_in(key, T), B, 2, T)
         vis = jnp.stack([jnp.full((B,), T, jnp.int32), jnp.arange(B, dtype=jnp.int32) * 7], 1)
         ref = np.asarray(pidx.index_scores(q, w, codes, scale, vis, impl="xla"))

@@ -173,18 +173,23 @@ def test_radix_topk_equals_sorting_topk():
 
 def test_selection_kernel_equals_radix_topk():
     """The Triton selection kernel (interpret mode) picks what ``select_topk_radix`` picks, bit
-    for bit, with the row held in registers (one tile) and streamed (tiles of 256, the writing
-    pass in tiles of up to 256): ties, signed zeros, NaN / -inf, k past T and past the
-    finite entries."""
+    for bit, with the row held in registers (one tile), streamed (tiles of 256, the writing
+    pass in tiles of up to 256) and in segments (its two-stage selection, segments of 256):
+    ties, signed zeros, NaN / -inf, k past T and past the finite entries."""
     from dsv41_jax.layers import indexer
     from pallas_kernels.indexer import topk_triton as ttk
     rng = np.random.default_rng(1)
     radix_k = jax.jit(indexer.select_topk_radix, static_argnums=1)
-    for trial, T, k, x in _score_trials(rng, 8, 2, 2, 1200, 400):
-        tile = None if trial < 4 else 256
-        got = ttk.select_topk(x, k, interpret=True, tile=tile)
+    for trial, T, k, x in _score_trials(rng, 12, 2, 2, 1200, 400):
+        # trials 0-3: the row in registers; 4-7: streamed in tiles of 256; 8-11: in segments
+        # of 256 (two or more stages: 5 segments of 1200 with k = 120 give 600 candidates)
+        one = ttk.MAX_TILE   # a segment longer than any row: one stage
+        tile, segment = (None, one) if trial < 4 else (256, one) if trial < 8 else (None, 256)
+        k = k if trial < 8 else min(k, 128)
+        got = ttk.select_topk(x, k, interpret=True, tile=tile, segment=segment)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(radix_k(x, k)),
-                                      err_msg=f"trial {trial}: T={T} k={k} tile={tile}")
+                                      err_msg=f"trial {trial}: T={T} k={k} tile={tile} "
+                                              f"segment={segment}")
     assert ttk.select_topk(jnp.zeros((2, 3, 0), F32), 8, interpret=True).shape == (2, 3, 0)
     assert ttk.select_topk(jnp.zeros((0, 3, 5), F32), 8, interpret=True).shape == (0, 3, 5)
     s = jnp.zeros((1, 1, 4), F32)
@@ -206,6 +211,13 @@ def test_selection_kernel_equals_radix_topk():
         ttk.select_topk(s, 2, interpret=True, write_tile=2 * ttk.MAX_WRITE_TILE)
     with pytest.raises(ValueError, match="num_warps"):
         ttk.select_topk(s, 2, interpret=True, num_warps=6)
+    with pytest.raises(ValueError, match="segment"):
+        ttk.select_topk(s, 2, interpret=True, segment=100)
+    # the segment rule (device times, docs/benchmarks.md): the longest segment that still
+    # fills the GPU with programs, the shortest at small batches
+    assert [ttk.default_segment(r, T) for r, T in ((1, 32768), (64, 32768), (256, 32768),
+                                                   (8, 262144), (64, 65536), (8, 1 << 20))] \
+        == [8192, 16384, 32768, 16384, 32768, 32768]
 
 
 def test_kernel_impls_per_call(tiny_a):
@@ -222,16 +234,18 @@ def test_kernel_impls_per_call(tiny_a):
         model.kernel_impls(cfg, "cuda", 8)
 
 
-@pytest.mark.parametrize("T", [32768, 40000])
-def test_selection_kernel_lowers_for_h200(T):
-    """The GPU build of the selection kernel lowers for an H200 on CPU: a decode row held in
-    registers (32K scores) and a longer one streamed in tiles."""
+@pytest.mark.parametrize("T, segment, kernels", [(8192, None, 1), (40000, None, 2),
+                                                 (40000, 1 << 20, 1)])
+def test_selection_kernel_lowers_for_h200(T, segment, kernels):
+    """The GPU build of the selection kernel lowers for an H200 on CPU: a row held in
+    registers, a longer one in segments (two kernels: the segments, then their candidates)
+    and streamed in tiles."""
     from pallas_kernels.indexer import topk_triton as ttk
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    f = jax.jit(functools.partial(ttk.select_topk, k=512))
+    f = jax.jit(functools.partial(ttk.select_topk, k=512, segment=segment))
     with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
         exported = jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(
             jax.ShapeDtypeStruct((8, 1, T), F32))
-    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == kernels
     assert [o.shape for o in exported.out_avals] == [(8, 1, 512)]

@@ -130,9 +130,10 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, impl: str = "auto"
     are never picked.
 
     ``impl``: ``"xla"`` (``lax.top_k`` and a sort), ``"triton"`` / ``"triton_interpret"`` (the
-    selection kernel for rows of up to ``topk_triton.TILE`` scores, where it is the faster
-    one; the XLA radix selection, same picks, for longer rows; the scores must be
-    bf16-representable, as the indexer's are: both rank them by their upper 16 bits),
+    selection kernel, :func:`topk_triton.select_topk`: rows of more than
+    ``topk_triton.SEGMENT`` scores in segments, then their candidates; the picks of the XLA
+    radix selection, bit for bit; the scores must be bf16-representable, as the indexer's
+    are: both rank them by their upper 16 bits),
     ``"auto"`` (``triton`` on a GPU, else ``xla``). Raises ``ValueError`` for an unknown
     ``impl``, ``"triton"`` without a GPU, a ``score`` that is not fp32 [B, S, T] or a ``k``
     that is not an integer >= 1.
@@ -154,6 +155,4 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, impl: str = "auto"
         raise ValueError(f"impl='triton' needs a GPU backend (got {jax.default_backend()!r}); "
                          "use 'triton_interpret' on CPU")
     from pallas_kernels.indexer import topk_triton
-    if not topk_triton.preferred(score.shape[-1]):
-        return indexer.select_topk_radix(score, k)
     return topk_triton.select_topk(score, k, interpret=impl.endswith("interpret"))

@@ -10,9 +10,18 @@ picked, ``-0 < +0`` (IEEE total order on the 16-bit order keys).
 * The k-th largest order key ``v`` is found by a binary search over its 16 bits, most
   significant first: bit b is set when at least ``k`` keys are ``>= v | 2**b``. Each step is
   one compare-and-count reduction over the program's threads.
-* Rows of up to :data:`TILE` scores are held in registers for all 16 steps (one load); longer
-  rows are streamed in tiles of :data:`TILE` for every step and the count above ``v`` (17
-  reads of the row, plus the writing pass's).
+* Rows of more than 8192 scores are selected in two stages: every segment of the row
+  gets its own program (its top-k), then one program per row takes
+  the top-k of those candidates (their scores gathered in XLA). A row's top-k is the top-k of
+  its segments' top-k under the same order (score, then the lower position), so the result is
+  unchanged; the segments of a row run in parallel, and each program holds 32 keys per thread
+  (8 warps) instead of 64 (16 warps) at 32K scores. On the H200 this is 1.8x the one-stage
+  kernel at 32K scores and 3.1-8.2x the XLA radix selection from 64K to 1M scores (session
+  9, docs/benchmarks.md).
+* Within a program, segments of up to :data:`TILE` scores are held in registers for all 16
+  steps (one load); longer ones (a ``segment`` above :data:`TILE`) are streamed in
+  tiles of :data:`TILE` for every step and the count above ``v`` (17 reads of the row, plus
+  the writing pass's).
 * The picks (every key ``> v``, then the lowest positions with key ``== v`` up to ``k``) are
   written in position order: running counts over the tiles and one inclusive scan inside a
   tile (of the keys above v and the keys equal to v, packed in one int32) give each pick its
@@ -39,6 +48,8 @@ from dsv41_jax.layers.indexer import _bf16_order_key
 F32 = jnp.float32
 I32 = jnp.int32
 TILE = 32768      # scores per counting tile: 64 int32 keys per thread with 16 warps
+SEGMENTS = (32768, 16384, 8192)   # segment lengths of the two-stage selection, largest first
+FULL_WAVE = 128   # programs that keep the H200's 132 SMs busy
 WRITE_TILE = 8192  # scores per step of the writing pass (one packed scan and a scatter)
 MAX_WRITE_TILE = 1 << 14   # the packed scan's 16-bit fields (the upper one signed) stay exact
 MAX_TILE = 1 << 20   # Triton's largest tensor
@@ -55,13 +66,18 @@ def _order_key(score):
     return _bf16_order_key(jnp.where(score != score, -jnp.inf, score))
 
 
-def _kernel(score_ref, out_ref, *, T, k, tile, n_tiles, k_pad, write_tile):
-    r = pl.program_id(0)
+def _kernel(score_ref, out_ref, *, T, k, tile, n_tiles, k_pad, write_tile, seg_len, n_seg):
+    """Program (row r, segment g): the top-k of scores [g seg_len, (g+1) seg_len) of row r
+    (the whole row when n_seg = 1), as absolute positions, into output row r n_seg + g."""
+    r, g = pl.program_id(0), pl.program_id(1)
+    start = g * seg_len
+    end = jnp.minimum(start + seg_len, T)
+    o = r * n_seg + g
 
-    def keys(i, size=tile):   # past the row's end: -inf (key KEY_NEG_INF, never picked)
-        pos = i * size + jnp.arange(size, dtype=I32)
-        return _order_key(pltr.load(score_ref.at[r, pl.ds(i * size, size)], mask=pos < T,
-                                    other=-jnp.inf))
+    def keys(i, size=tile):   # past the segment's end: -inf (key KEY_NEG_INF, never picked)
+        pos = start + i * size + jnp.arange(size, dtype=I32)
+        return _order_key(pltr.load(score_ref.at[r, pl.ds(start + i * size, size)],
+                                    mask=pos < end, other=-jnp.inf))
 
     def count_ge(x):
         """count(key >= x): one reduction over the resident keys, or one streamed pass."""
@@ -100,68 +116,108 @@ def _kernel(score_ref, out_ref, *, T, k, tile, n_tiles, k_pad, write_tile):
         pos = i * w_tile + jnp.arange(w_tile, dtype=I32)
         # unpicked lanes store nothing; their (masked) slots are past the row, all distinct
         # (interpret mode's scatter would let a duplicate slot clobber a pick)
-        pltr.store(out_ref.at[r, jnp.where(pick, slot, k_pad + pos)], pos, mask=pick)
+        pltr.store(out_ref.at[o, jnp.where(pick, slot, k_pad + pos)], start + pos, mask=pick)
         total = jnp.sum(packed)
         return gt_seen + (total & 0xFFFF), eq_seen + (total >> 16)
 
-    n_gt, n_eq = jax.lax.fori_loop(0, -(-T // w_tile), write, (jnp.int32(0), jnp.int32(0)))
+    n_gt, n_eq = jax.lax.fori_loop(0, -(-seg_len // w_tile), write,
+                                   (jnp.int32(0), jnp.int32(0)))
     n_picked = n_gt + jnp.minimum(n_eq, need_eq)
     slots = jnp.arange(k_pad, dtype=I32)
-    pltr.store(out_ref.at[r, pl.ds(0, k_pad)], jnp.full((k_pad,), -1, I32),
+    pltr.store(out_ref.at[o, pl.ds(0, k_pad)], jnp.full((k_pad,), -1, I32),
                mask=slots >= n_picked)
 
 
-def preferred(T: int) -> bool:
-    """Whether the kernel is the faster selection for rows of ``T`` scores on the H200: rows
-    held in registers (``T <= TILE``: 26-27 us, 2.0-7.3x the XLA radix selection at B=1-64
-    over 32K scores); streamed rows measured 2.2x slower than the radix selection (B=8, 64K
-    scores; docs/benchmarks.md)."""
-    return 1 <= T <= TILE
+def default_segment(rows: int, T: int) -> int:
+    """The segment length for ``rows`` rows of ``T`` scores: the longest of
+    :data:`SEGMENTS` with at least :data:`FULL_WAVE` programs (``rows * ceil(T / segment)``),
+    else the shortest; rows that fit in one segment are selected in one stage. Measured on the
+    H200 (session 9, docs/benchmarks.md): at B=1-8 more segments are faster (8K: 14-16 us
+    over 32K-64K scores, against 22-34 us with 16K-32K), while at B=256 over 32K scores the
+    one-stage kernel (256 programs) takes 60 us and 8K segments 78."""
+    for seg in SEGMENTS:
+        if rows * -(-T // seg) >= FULL_WAVE:
+            return seg
+    return SEGMENTS[-1]
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "tile", "write_tile",
-                                             "num_warps"))
-def select_topk(score: Float[Array, "B S T"], k: int, *, interpret: bool = False,
-                tile: int | None = None, write_tile: int = WRITE_TILE,
-                num_warps: int | None = None) -> Int[Array, "B S k"]:
-    """Top-``k`` positions of each row of ``score`` (fp32 [B, S, T], bf16-representable values,
-    ``-inf`` / NaN allowed), ascending, ``-1`` after the last pick: int32 [B, S, min(k, T)].
-    Bit for bit :func:`dsv41_jax.layers.indexer.select_topk_radix` (spec 3.6f).
-
-    ``tile``: scores per counting step (a power of two; default: the row padded to a power of
-    two, up to :data:`TILE`; rows longer than ``tile`` are streamed), ``write_tile``: scores
-    per step of the writing pass (a power of two <= :data:`MAX_WRITE_TILE`), ``num_warps``:
-    Triton warps (a power of two; default 16 for tiles of 16384 and more, 8 from 4096, else
-    4), ``interpret``: Pallas interpret mode (CPU). Raises ``ValueError`` for a ``k`` that is
-    not an integer >= 1, a non-fp32 or non-3-D ``score``, or a tile, writing tile or warp
-    count outside those limits.
-    """
+def _check(score, k, tile, write_tile, num_warps, segment):
     if score.ndim != 3 or score.dtype != F32:
         raise ValueError(f"score: expected fp32 [B, S, T], got {score.dtype} {score.shape}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    k = int(k)
     for name, t, top in (("tile", tile, MAX_TILE), ("write_tile", write_tile, MAX_WRITE_TILE),
-                         ("num_warps", num_warps, 32)):
+                         ("num_warps", num_warps, 32), ("segment", segment, MAX_TILE)):
         if t is not None and (t < 1 or t & (t - 1) or t > top):
             raise ValueError(f"{name} must be a power of two <= {top}, got {t}")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "tile", "write_tile",
+                                             "num_warps", "segment"))
+def select_topk(score: Float[Array, "B S T"], k: int, *, interpret: bool = False,
+                tile: int | None = None, write_tile: int = WRITE_TILE,
+                num_warps: int | None = None, segment: int | None = None
+                ) -> Int[Array, "B S k"]:
+    """Top-``k`` positions of each row of ``score`` (fp32 [B, S, T], bf16-representable values,
+    ``-inf`` / NaN allowed), ascending, ``-1`` after the last pick: int32 [B, S, min(k, T)].
+    Bit for bit :func:`dsv41_jax.layers.indexer.select_topk_radix` (spec 3.6f).
+
+    Rows longer than ``segment`` scores (a power of two; default :func:`default_segment`;
+    :data:`MAX_TILE`: one stage) with ``2 k <= segment`` are selected in two stages: each
+    segment's top-k in a program of its own (the segments of a row run in parallel), then
+    the top-k of those candidates (their scores gathered in XLA; again in segments if there
+    are many). The result is the same: a row's top-k holds, from each segment, that segment's top-k under the same
+    order (score, then the lower position), and the candidates stay in position order, so
+    ties among them still go to the lower position.
+
+    ``tile``: scores per counting step within a segment (a power of two; default: the segment
+    padded to a power of two, up to :data:`TILE`; longer segments are streamed),
+    ``write_tile``: scores per step of the writing pass (a power of two <=
+    :data:`MAX_WRITE_TILE`), ``num_warps``: Triton warps (a power of two; default 16 for
+    tiles of 16384 and more, 8 from 4096, else 4), ``interpret``: Pallas interpret mode
+    (CPU). Raises ``ValueError`` for a ``k`` that is not an integer >= 1, a non-fp32 or
+    non-3-D ``score``, or a tile, writing tile, warp count or segment outside those limits.
+    """
+    _check(score, k, tile, write_tile, num_warps, segment)
     B, S, T = score.shape
-    k = min(k, T)
+    k = min(int(k), T)
     if T == 0 or B * S == 0:
         return jnp.zeros((B, S, k), I32)
-    tile = tile or min(_next_pow2(T), TILE)
-    n_tiles = -(-T // tile)
-    R, k_pad = B * S, _next_pow2(k)
+    R = B * S
+    flat = score.reshape(R, T)
+    seg = segment or default_segment(R, T)
+    if T > seg and 2 * k <= seg:
+        n_seg = -(-T // seg)
+        cand = _select(flat, k, seg, n_seg, interpret, tile, write_tile, num_warps)
+        cand = cand.reshape(R, 1, n_seg * k)          # absolute positions, ascending, -1 fill
+        cand_score = jnp.where(cand >= 0, jnp.take_along_axis(
+            flat[:, None], jnp.maximum(cand, 0), axis=-1), -jnp.inf)
+        pick = select_topk(cand_score, k, interpret=interpret, tile=tile,
+                           write_tile=write_tile, num_warps=num_warps, segment=segment)
+        out = jnp.where(pick >= 0, jnp.take_along_axis(cand, jnp.maximum(pick, 0), axis=-1),
+                        -1)
+        return out.reshape(B, S, k)
+    return _select(flat, k, T, 1, interpret, tile, write_tile, num_warps).reshape(B, S, k)
+
+
+def _select(flat, k, seg_len, n_seg, interpret, tile, write_tile, num_warps):
+    """The kernel over fp32 [R, T] in ``n_seg`` segments of ``seg_len`` scores: int32
+    [R, n_seg, k], each segment's top-k (absolute positions, ascending, -1 fill)."""
+    R, T = flat.shape
+    k = min(k, seg_len)
+    tile = tile or min(_next_pow2(seg_len), TILE)
+    n_tiles = -(-seg_len // tile)
+    k_pad = _next_pow2(k)
     warps = num_warps or (16 if tile >= 16384 else 8 if tile >= 4096 else 4)
     out = pl.pallas_call(   # whole arrays: the program indexes its row
         functools.partial(_kernel, T=T, k=k, tile=tile, n_tiles=n_tiles, k_pad=k_pad,
-                          write_tile=write_tile),
-        grid=(R,),
+                          write_tile=write_tile, seg_len=seg_len, n_seg=n_seg),
+        grid=(R, n_seg),
         in_specs=[pl.BlockSpec()],
         out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct((R, k_pad), I32),
+        out_shape=jax.ShapeDtypeStruct((R * n_seg, k_pad), I32),
         interpret=interpret,
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=1),
         name="indexer_select_topk",
-    )(score.reshape(R, T))
-    return out[:, :k].reshape(B, S, k)
+    )(flat)
+    return out[:, :k].reshape(R, n_seg, k)
