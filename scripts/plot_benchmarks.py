@@ -9,7 +9,11 @@ times; each panel's axis says which.
     python scripts/plot_benchmarks.py docs/results/h200_sweep_kernel_v2.json --out docs/benchmarks.png
 
 ``--prefill`` adds a panel of CED vs exact prefill tokens/s from ``scripts/bench_prefill.py``
-JSON files (one or both modes per file, any lengths).
+JSON files (one or both modes per file, any lengths). ``--topk`` adds a panel of the indexer's
+top-k selection against the row length: device times of the XLA radix selection, the one-stage
+kernel and the kernel with its default segments (``topk_triton.default_segment``), per batch,
+from selection sweeps (JSON lists of ``{B, T, impl, device_us}``, e.g.
+``docs/results/h200_s13_run1_topk_long.json``; later files win).
 
 Needs matplotlib (``pip install -e .[notebooks]``).
 """
@@ -75,21 +79,70 @@ def prefill_panel(ax, paths: list[str]) -> None:
     ax.legend(fontsize=8)
 
 
+def topk_points(paths: list[str]) -> dict:
+    """{(B, T, variant): device us} with variant ``"radix"``, ``"one stage"`` or ``"default"``
+    (the sweep's entry for the segment ``default_segment(B, T)`` picks; the one-stage entry
+    where it picks one stage)."""
+    from pallas_kernels.indexer.topk_triton import default_segment
+    entries = {}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f):
+                if r.get("device_us"):
+                    entries[(r["B"], r["T"], r["impl"])] = r["device_us"]
+    out = {}
+    for (B, T, impl), us in entries.items():
+        if impl == "radix":
+            out[(B, T, "radix")] = us
+        elif impl in ("one stage", "kernel one stage"):
+            out[(B, T, "one stage")] = us
+    for B, T in {(B, T) for B, T, _ in entries}:
+        seg = default_segment(B, T)
+        for impl in (f"kernel segment {seg}", f"segment {seg} warps None"):
+            if (B, T, impl) in entries:
+                out[(B, T, "default")] = entries[(B, T, impl)]
+        if seg >= T and (B, T, "one stage") in out:
+            out[(B, T, "default")] = out[(B, T, "one stage")]
+    return out
+
+
+def topk_panel(ax, paths: list[str]) -> None:
+    pts = topk_points(paths)
+    styles = {"radix": ("XLA radix", ":"), "one stage": ("kernel, one stage", "--"),
+              "default": ("kernel, default segments", "-")}
+    for i, B in enumerate(sorted({b for b, _, _ in pts})):
+        for variant, (label, ls) in styles.items():
+            line = sorted((T, us) for (b, T, v), us in pts.items() if b == B and v == variant)
+            if len(line) > 1:
+                ax.plot(*zip(*line), ls, marker="o", color=f"C{i}", label=f"B={B} {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("scores per row (T)")
+    ax.set_ylabel("device microseconds per call (H200, log scale)")
+    ax.set_title("indexer top-k 512: selection", fontsize=9)
+    ax.legend(fontsize=6, ncol=2, loc="lower right")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("json", nargs="+")
+    ap.add_argument("json", nargs="*", help="bench_kernels.py JSON files (attention panels)")
     ap.add_argument("--out", default="benchmarks.png")
     ap.add_argument("--prefill", nargs="*", default=[], help="bench_prefill.py JSON files")
     ap.add_argument("--titles", default=None, help="';'-separated panel titles of the JSON files")
+    ap.add_argument("--topk", nargs="*", default=[], help="top-k selection sweep JSON files")
     args = ap.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = len(args.json) + bool(args.prefill)
+    panels = len(args.json) + bool(args.prefill) + bool(args.topk)
+    if not panels:
+        ap.error("nothing to plot: give bench_kernels JSON files, --prefill or --topk")
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
     if args.prefill:
-        prefill_panel(axes[0][-1], args.prefill)
+        prefill_panel(axes[0][len(args.json)], args.prefill)
+    if args.topk:
+        topk_panel(axes[0][-1], args.topk)
     titles = args.titles.split(";") if args.titles else [p.rsplit("/", 1)[-1] for p in args.json]
     for ax, path, title in zip(axes[0], args.json, titles):
         key = time_key(path)
@@ -109,7 +162,8 @@ def main(argv=None) -> int:
                       " microseconds per call (H200, log scale)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
-    fig.suptitle("CSA2 sparse attention: 64 heads x 512, window 128, top-k 512")
+    if args.json:
+        fig.suptitle("CSA2 sparse attention: 64 heads x 512, window 128, top-k 512")
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")

@@ -68,3 +68,22 @@ def test_plot_reads_device_times_when_every_entry_has_them(tmp_path):
     assert pb.time_key(str(new)) == "device_us" and pb.time_key(str(old)) == "us"
     [r] = pb.rows_of(str(new), "device_us")
     assert (r["xla"], r["default"], r["best_label"]) == (36.0, 20.0, "triton")
+
+
+def test_plot_topk_points_follow_the_default_segment(tmp_path):
+    """The selection panel's "default" line takes, per row, the sweep entry of the segment
+    ``default_segment`` picks (the one-stage entry where it picks one stage)."""
+    pb = _load("plot_benchmarks")
+    sweep = [{"B": 1, "T": 32768, "impl": "radix", "device_us": 51.0},
+             {"B": 1, "T": 32768, "impl": "kernel one stage", "device_us": 26.0},
+             {"B": 1, "T": 32768, "impl": "kernel segment 8192", "device_us": 14.0},
+             {"B": 1, "T": 32768, "impl": "kernel segment 16384", "device_us": 21.0},
+             {"B": 256, "T": 32768, "impl": "one stage", "device_us": 60.0},
+             {"B": 256, "T": 32768, "impl": "segment 8192 warps None", "device_us": 78.0},
+             {"B": 8, "T": 65536, "impl": "kernel segment 8192", "error": "x"}]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(sweep))
+    pts = pb.topk_points([str(path)])
+    assert pts == {(1, 32768, "radix"): 51.0, (1, 32768, "one stage"): 26.0,
+                   (1, 32768, "default"): 14.0, (256, 32768, "one stage"): 60.0,
+                   (256, 32768, "default"): 60.0}
