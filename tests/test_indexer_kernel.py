@@ -182,7 +182,7 @@ def test_selection_kernel_equals_radix_topk():
     radix_k = jax.jit(indexer.select_topk_radix, static_argnums=1)
     for trial, T, k, x in _score_trials(rng, 12, 2, 2, 1200, 400):
         # trials 0-3: the row in registers; 4-7: streamed in tiles of 256; 8-11: in segments
-        # of 256 (two or more stages: 5 segments of 1200 with k = 120 give 600 candidates)
+        # of 256 where T > 256 (rows of up to 1200 with k <= 128: two to four stages)
         one = ttk.MAX_TILE   # a segment longer than any row: one stage
         tile, segment = (None, one) if trial < 4 else (256, one) if trial < 8 else (None, 256)
         k = k if trial < 8 else min(k, 128)
@@ -214,10 +214,54 @@ def test_selection_kernel_equals_radix_topk():
     with pytest.raises(ValueError, match="segment"):
         ttk.select_topk(s, 2, interpret=True, segment=100)
     # the segment rule (device times, docs/benchmarks.md): the longest segment that still
-    # fills the GPU with programs, the shortest at small batches
+    # fills the GPU with programs, the shortest at small batches; one with room for 2k picks
     assert [ttk.default_segment(r, T) for r, T in ((1, 32768), (64, 32768), (256, 32768),
                                                    (8, 262144), (64, 65536), (8, 1 << 20))] \
         == [8192, 16384, 32768, 16384, 32768, 32768]
+    assert ttk.default_segment(1, 65536, k=5000) == 16384
+    assert ttk.default_segment(1, 65536, k=20000) == ttk.MAX_TILE
+    # rows it would stream whole (longer than TILE, no segment with room for 2k): the radix
+    # selection, measured faster
+    assert ttk.preferred(1, 65536, 512) and ttk.preferred(1, 32768, 20000)
+    assert not ttk.preferred(1, 65536, 20000)
+
+
+def test_selection_kernel_segments_at_the_edges():
+    """The staged selection (segments of 256, interpret mode) at fixed edges: the winner alone
+    in a one-score last segment, a run of equal scores across a segment boundary with the
+    threshold inside it (three stages), every score equal (-0 and +0 alternating) with k half
+    a segment."""
+    from dsv41_jax.layers import indexer
+    from pallas_kernels.indexer import topk_triton as ttk
+    rng = np.random.default_rng(3)
+    base = jnp.asarray(rng.standard_normal((2, 1, 1024)), F32).astype(BF16).astype(F32)
+    last = base[..., :257].at[:, :, 256].set(100.0)
+    run = base.at[:, :, 200:320].set(5.0).at[:, :, :100].set(7.0)
+    zeros = jnp.where(jnp.arange(512) % 2 == 0, -0.0, 0.0)[None, None].repeat(2, 0)
+    for name, x, k in (("last", last, 128), ("run", run, 128), ("zeros", zeros, 128)):
+        got = ttk.select_topk(x, k, interpret=True, segment=256)
+        np.testing.assert_array_equal(np.asarray(got),
+                                      np.asarray(indexer.select_topk_radix(x, k)),
+                                      err_msg=name)
+
+
+def test_candidate_pool_with_the_selection_kernel():
+    """The block-max candidate pool keeps the same blocks with the selection kernel (interpret
+    mode) as with ``lax.top_k``: ties between block scores, the pinned newest block (+inf),
+    -inf and NaN blocks, more blocks asked for than there are."""
+    from dsv41_jax.layers import indexer
+    from pallas_kernels.indexer import topk_triton as ttk
+    rng = np.random.default_rng(2)
+    select = functools.partial(ttk.select_topk, interpret=True)
+    for trial, T, _, x in _score_trials(rng, 6, 2, 2, 400, 2):
+        vis = jnp.asarray(rng.integers(1, T + 1, (2, 2)), jnp.int32)
+        block, n_blocks = int(rng.choice([2, 8])), int(rng.integers(1, 40))
+        want = indexer.candidate_pool(x, vis, n_blocks, block)
+        got = indexer.candidate_pool(x, vis, n_blocks, block, select=select)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w),
+                                          err_msg=f"trial {trial}: T={T} block={block} "
+                                                  f"n_blocks={n_blocks}")
 
 
 def test_kernel_impls_per_call(tiny_a):

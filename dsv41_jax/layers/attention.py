@@ -9,6 +9,7 @@ any p0: chunked prefill), decode (S = 1) and bounded replay share this one path.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -216,8 +217,11 @@ def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, state, bus, c
     # scores straight from the packed FP4 indexer K (XLA: dequantise it all, then score)
     score = index_kernels.index_scores(qi, w, codes, scale, visible, impl=ch.index_impl)
     if role.is_candidate_source:
+        # with the GPU kernels, the pool's blocks come from the selection kernel too
+        select = (None if ch.select_impl == "xla" else
+                  functools.partial(index_kernels.select_topk, impl=ch.select_impl))
         cand, bscore = indexer.candidate_pool(score, visible, cfg.candidate_topk_blocks,
-                                              cfg.candidate_block_size)
+                                              cfg.candidate_block_size, select=select)
         bus = dict(bus, candidates=cand)
         if record is not None:
             record["candidates"], record["candidate_block_score"] = cand, bscore

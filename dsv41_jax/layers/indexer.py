@@ -111,11 +111,18 @@ def select_topk_radix(score: Float[Array, "B S T"], k: int) -> Int[Array, "B S k
 
 
 def candidate_pool(score: Float[Array, "B S T"], visible: Int[Array, "B S"], n_blocks: int,
-                   block: int) -> tuple[Bool[Array, "B S T"], Float[Array, "B S NB"]]:
+                   block: int, select=None
+                   ) -> tuple[Bool[Array, "B S T"], Float[Array, "B S NB"]]:
     """Block-max candidate pool (spec 3.7): ``(mask [B,S,T], block scores [B,S,NB])``.
 
     Block score = max over its positions (-inf padded); the block of the newest visible position
     is pinned with +inf; the top ``n_blocks`` blocks are kept unless their score is -inf.
+
+    ``select``: None (``lax.top_k`` over the block scores, the reference), or a top-k selection
+    with :func:`select_topk`'s contract (``select(scores, k)`` -> int32 positions, -1 for no
+    pick; ties to the lower position, -inf never picked), e.g. the GPU selection kernel
+    (``pallas_kernels.indexer.select_topk``): it keeps the same blocks, since the block scores
+    of bf16 index scores are bf16-representable.
     """
     B, S, T = score.shape
     nb = -(-T // block)
@@ -125,8 +132,12 @@ def candidate_pool(score: Float[Array, "B S T"], visible: Int[Array, "B S"], n_b
     bs = jnp.max(sp.reshape(B, S, nb, block), axis=-1)
     last = (visible - 1) // block
     bs = jnp.where(jnp.arange(nb)[None, None, :] == last[..., None], jnp.inf, bs)
-    vals, bidx = jax.lax.top_k(bs, min(n_blocks, nb))
-    keep = vals > NEG_INF
+    if select is None:
+        vals, bidx = jax.lax.top_k(bs, min(n_blocks, nb))
+        keep = vals > NEG_INF
+    else:
+        picks = select(bs, min(n_blocks, nb))
+        keep, bidx = picks >= 0, jnp.maximum(picks, 0)
     bmask = jnp.zeros((B, S, nb), bool)
     bmask = bmask.at[jnp.arange(B)[:, None, None], jnp.arange(S)[None, :, None], bidx].max(keep)
     mask = jnp.repeat(bmask, block, axis=-1)[..., :T]

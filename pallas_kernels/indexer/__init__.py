@@ -10,10 +10,11 @@ One public op, :func:`index_scores`, with implementations behind ``impl``:
 * ``"auto"``: ``triton`` on a GPU for shapes it tiles (:func:`triton.supports`), else ``xla``.
 
 :func:`select_topk` picks the top-k of the scores with the same ``impl`` names: ``"xla"`` sorts
-(``lax.top_k``, :func:`dsv41_jax.layers.indexer.select_topk`), ``"triton"`` runs the one-kernel
-selection (``topk_triton.py``; bit for bit the XLA radix selection
-:func:`dsv41_jax.layers.indexer.select_topk_radix`, its reference). The candidate pool stays in
-XLA (:mod:`dsv41_jax.layers.indexer`).
+(``lax.top_k``, :func:`dsv41_jax.layers.indexer.select_topk`), ``"triton"`` runs the selection
+kernel (``topk_triton.py``; bit for bit the XLA radix selection
+:func:`dsv41_jax.layers.indexer.select_topk_radix`, its reference). The model also takes the
+candidate pool's blocks from it on GPUs (``candidate_pool(..., select=...)`` in
+:mod:`dsv41_jax.layers.indexer`); the block scores stay in XLA.
 """
 
 from __future__ import annotations
@@ -130,10 +131,12 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, impl: str = "auto"
     are never picked.
 
     ``impl``: ``"xla"`` (``lax.top_k`` and a sort), ``"triton"`` / ``"triton_interpret"`` (the
-    selection kernel, :func:`topk_triton.select_topk`: rows of more than
-    ``topk_triton.SEGMENT`` scores in segments, then their candidates; the picks of the XLA
-    radix selection, bit for bit; the scores must be bf16-representable, as the indexer's
-    are: both rank them by their upper 16 bits),
+    selection kernel, :func:`topk_triton.select_topk`: long rows in segments
+    (``topk_triton.default_segment``), then their candidates; the XLA radix selection, same
+    picks, where the kernel would stream a row longer than 32K scores in one program, with
+    ``k`` above 16384 (``topk_triton.preferred``); the picks of the radix selection, bit for
+    bit; the scores must be bf16-representable, as the indexer's are: both rank them by
+    their upper 16 bits),
     ``"auto"`` (``triton`` on a GPU, else ``xla``). Raises ``ValueError`` for an unknown
     ``impl``, ``"triton"`` without a GPU, a ``score`` that is not fp32 [B, S, T] or a ``k``
     that is not an integer >= 1.
@@ -155,4 +158,7 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, impl: str = "auto"
         raise ValueError(f"impl='triton' needs a GPU backend (got {jax.default_backend()!r}); "
                          "use 'triton_interpret' on CPU")
     from pallas_kernels.indexer import topk_triton
+    B, S, T = score.shape
+    if not topk_triton.preferred(B * S, T, min(k, T)):   # a row it would stream: slower
+        return indexer.select_topk_radix(score, k)
     return topk_triton.select_topk(score, k, interpret=impl.endswith("interpret"))

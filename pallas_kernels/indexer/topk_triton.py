@@ -10,14 +10,16 @@ picked, ``-0 < +0`` (IEEE total order on the 16-bit order keys).
 * The k-th largest order key ``v`` is found by a binary search over its 16 bits, most
   significant first: bit b is set when at least ``k`` keys are ``>= v | 2**b``. Each step is
   one compare-and-count reduction over the program's threads.
-* Rows of more than 8192 scores are selected in two stages: every segment of the row
-  gets its own program (its top-k), then one program per row takes
-  the top-k of those candidates (their scores gathered in XLA). A row's top-k is the top-k of
-  its segments' top-k under the same order (score, then the lower position), so the result is
-  unchanged; the segments of a row run in parallel, and each program holds 32 keys per thread
-  (8 warps) instead of 64 (16 warps) at 32K scores. On the H200 this is 1.8x the one-stage
-  kernel at 32K scores and 3.1-8.2x the XLA radix selection from 64K to 1M scores (session
-  9, docs/benchmarks.md).
+* Long rows are selected in stages: every segment of a row gets its own program (its top-k),
+  then the top-k of those candidates is selected the same way (their scores gathered in XLA;
+  in segments again while they are many: a row of 1M scores takes three stages at k = 512).
+  Every pick of a row's top-k lies in its segment's top-k under the same order (score, then
+  the lower position), so the result is unchanged; the segments of a row run in parallel, and
+  a segment of 8K scores is 32 keys per thread (8 warps) where a 32K row is 64 (16 warps).
+  :func:`default_segment` sets the segment length from the number of rows (8K-32K; rows that
+  fit in one segment, or too many picks for one, ``2 k`` above every length, are selected in
+  one stage). On the H200 this is 1.8x the one-stage kernel at B=1-8 over 32K scores and
+  2.6-8.8x the XLA radix selection from 64K to 1M scores (session 9, docs/benchmarks.md).
 * Within a program, segments of up to :data:`TILE` scores are held in registers for all 16
   steps (one load); longer ones (a ``segment`` above :data:`TILE`) are streamed in
   tiles of :data:`TILE` for every step and the count above ``v`` (17 reads of the row, plus
@@ -128,17 +130,27 @@ def _kernel(score_ref, out_ref, *, T, k, tile, n_tiles, k_pad, write_tile, seg_l
                mask=slots >= n_picked)
 
 
-def default_segment(rows: int, T: int) -> int:
-    """The segment length for ``rows`` rows of ``T`` scores: the longest of
-    :data:`SEGMENTS` with at least :data:`FULL_WAVE` programs (``rows * ceil(T / segment)``),
-    else the shortest; rows that fit in one segment are selected in one stage. Measured on the
-    H200 (session 9, docs/benchmarks.md): at B=1-8 more segments are faster (8K: 14-16 us
-    over 32K-64K scores, against 22-34 us with 16K-32K), while at B=256 over 32K scores the
-    one-stage kernel (256 programs) takes 60 us and 8K segments 78."""
-    for seg in SEGMENTS:
+def default_segment(rows: int, T: int, k: int = 1) -> int:
+    """The segment length for ``rows`` rows of ``T`` scores and top-``k``: the longest of
+    :data:`SEGMENTS` with ``2 k`` or more scores that gives at least :data:`FULL_WAVE`
+    programs (``rows * ceil(T / segment)``), else the shortest of those; :data:`MAX_TILE` (one
+    stage) if ``2 k`` is above every length. Rows that fit in the segment are selected in one
+    stage. Measured on the H200 (session 9, docs/benchmarks.md): at B=1-8 more segments are
+    faster (8K: 14-16 us over 32K-64K scores, against 22-34 us with 16K-32K), while at B=256
+    over 32K scores the one-stage kernel (256 programs) takes 60 us and 8K segments 78."""
+    fits = [seg for seg in SEGMENTS if 2 * k <= seg]
+    for seg in fits:
         if rows * -(-T // seg) >= FULL_WAVE:
             return seg
-    return SEGMENTS[-1]
+    return fits[-1] if fits else MAX_TILE
+
+
+def preferred(rows: int, T: int, k: int) -> bool:
+    """Whether the kernel is the faster selection on the H200 for ``rows`` rows of ``T``
+    scores and top-``k``: yes, except where it would stream the whole row in one program
+    (rows longer than :data:`TILE` with ``2 k`` above every segment length: measured 2.2x
+    slower than the XLA radix selection over 64K scores in session 8)."""
+    return not (T > TILE and default_segment(rows, T, k) >= T)
 
 
 def _check(score, k, tile, write_tile, num_warps, segment):
@@ -163,12 +175,12 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, interpret: bool = False
     Bit for bit :func:`dsv41_jax.layers.indexer.select_topk_radix` (spec 3.6f).
 
     Rows longer than ``segment`` scores (a power of two; default :func:`default_segment`;
-    :data:`MAX_TILE`: one stage) with ``2 k <= segment`` are selected in two stages: each
+    :data:`MAX_TILE`: one stage) with ``2 k <= segment`` are selected in stages: each
     segment's top-k in a program of its own (the segments of a row run in parallel), then
-    the top-k of those candidates (their scores gathered in XLA; again in segments if there
-    are many). The result is the same: a row's top-k holds, from each segment, that segment's top-k under the same
-    order (score, then the lower position), and the candidates stay in position order, so
-    ties among them still go to the lower position.
+    the top-k of those candidates (their scores gathered in XLA; again in segments while they
+    are more than a segment). The result is the same: every pick of the row's top-k lies in
+    its segment's top-k under the same order (score, then the lower position), and the
+    candidates stay in position order, so ties among them still go to the lower position.
 
     ``tile``: scores per counting step within a segment (a power of two; default: the segment
     padded to a power of two, up to :data:`TILE`; longer segments are streamed),
@@ -185,7 +197,7 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, interpret: bool = False
         return jnp.zeros((B, S, k), I32)
     R = B * S
     flat = score.reshape(R, T)
-    seg = segment or default_segment(R, T)
+    seg = segment or default_segment(R, T, k)
     if T > seg and 2 * k <= seg:
         n_seg = -(-T // seg)
         cand = _select(flat, k, seg, n_seg, interpret, tile, write_tile, num_warps)
