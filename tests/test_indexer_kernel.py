@@ -265,12 +265,12 @@ def test_candidate_pool_with_the_selection_kernel():
 
 
 def test_kernel_impls_per_call(tiny_a):
-    """prefill / decode_step / parity take their three implementations from the family, the
-    indexer's at every batch size: a small GPU decode batch keeps the XLA attention but gets
-    the selection kernel (whatever the indexer dims)."""
+    """prefill / decode_step / parity take their three implementations from the family, at
+    every batch size: a small GPU decode batch gets the Triton attention and the selection
+    kernel (whatever the indexer dims; the scores kernel needs the release's)."""
     from dsv41_jax import model
     cfg = tiny_a[0]
-    assert model.kernel_impls(cfg, "auto", 8, backend="gpu") == ("xla", "xla", "triton")
+    assert model.kernel_impls(cfg, "auto", 8, backend="gpu") == ("triton", "xla", "triton")
     assert model.kernel_impls(cfg, "auto", 8, backend="cpu") == ("xla", "xla", "xla")
     assert model.kernel_impls(cfg, "xla", 8, backend="gpu") == ("xla", "xla", "xla")
     assert model.kernel_impls(cfg, "triton_interpret", 8) == ("triton_interpret",) * 3

@@ -127,7 +127,8 @@ def test_reference_is_the_spec_formula():
 
 def test_dispatch_and_errors():
     assert sa.resolve_impl("auto", "cpu") == "xla"
-    assert sa.resolve_impl("auto", "gpu", rows=8) == "xla"
+    assert sa.resolve_impl("auto", "gpu", rows=1) == "triton"   # ahead of XLA at B=1 and 8 too
+    assert sa.resolve_impl("auto", "gpu", rows=8) == "triton"
     assert sa.resolve_impl("auto", "gpu", rows=64) == "triton"
     assert sa.resolve_impl("auto", "gpu", rows=4096) == "triton"
     assert sa.resolve_impl("auto", "gpu", rows=4096, heads=64, head_dim=512) == "triton"

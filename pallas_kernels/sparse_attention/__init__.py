@@ -13,7 +13,7 @@ One public op, :func:`sparse_attention`, with several implementations behind ``i
   64 heads x 512 only. Opt-in: correct on the H200 but 1.4-2x slower than ``triton`` so far.
 * ``"triton_interpret"`` / ``"mosaic_tpu_interpret"`` / ``"mosaic_gpu_interpret"``: the same
   kernels in Pallas interpret mode (CPU tests).
-* ``"auto"``: ``triton`` on GPU for calls of >= 64 query rows, ``xla`` otherwise
+* ``"auto"``: ``triton`` on GPU for every call whose shapes it tiles, ``xla`` otherwise
   (see :func:`resolve_impl`).
 """
 
@@ -35,7 +35,11 @@ __all__ = ["IMPLS", "SOFTMAX_BLOCK", "TRITON_MIN_ROWS", "blocked_sink_softmax", 
            "sparse_attention_xla", "triton_supports"]
 
 
-TRITON_MIN_ROWS = 64  # measured on the H200: below this the XLA path is as fast (docs)
+# the fewest query rows for which "auto" picks the Triton kernel on a GPU. It was 64 until
+# session 9: the kernel of sessions 2-4 was no faster than XLA at decode B=8. Since session 5's
+# list splits it is faster at every batch measured (H200 device times, docs/benchmarks.md):
+# B=1 12.5 vs 14.8 us (wall 28.3 vs 39.3), B=8 18.1 vs 35.9 (wall 40.3 vs 61.4).
+TRITON_MIN_ROWS = 1
 
 
 def triton_supports(heads: int, head_dim: int) -> bool:
@@ -53,11 +57,12 @@ def resolve_impl(impl: str, backend: str | None = None, rows: int | None = None,
     for a call with ``rows = B * S`` query rows, ``heads`` and ``head_dim`` (None: unknown).
 
     ``"auto"`` picks ``triton`` on GPUs for calls of at least :data:`TRITON_MIN_ROWS` query rows
-    (prefill chunks, decode batches of 64 and more) whose shapes the kernel tiles
-    (:func:`triton_supports`), where the H200 measurements put it ahead of XLA and it avoids
-    the O(rows * list * K) gathered copy; ``xla`` for smaller calls, shapes it does not
-    tile (e.g. 24 heads, head dim 96), on CPU, and on TPU (the Mosaic TPU kernel is tested in interpret mode
-    only, so it is opt-in). Raises ``ValueError`` for an unknown name.
+    (every decode batch and prefill chunk) whose shapes the kernel tiles
+    (:func:`triton_supports`), where the H200 measurements put it ahead of XLA (1.2x at decode
+    B=1 to 4x at prefill) and it avoids the O(rows * list * K) gathered copy; ``xla`` for
+    shapes it does not tile (e.g. 24 heads, head dim 96), on CPU, and on TPU (the Mosaic TPU
+    kernel is tested in interpret mode only, so it is opt-in). Raises ``ValueError`` for an
+    unknown name.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
