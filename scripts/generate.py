@@ -35,6 +35,17 @@ DEFAULT_PROMPT = ("It is a truth universally acknowledged, that a single man in 
                   "is so well fixed in the minds of the surrounding families.")
 
 
+RANDOM_WEIGHTS_MAX_BYTES = 16e9   # seeded random weights are built in host memory
+
+
+def random_weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the reference-format tensors of ``cfg`` (``checkpoint.expected_tensors``, each
+    in its first allowed dtype): what its seeded random weights take in host memory."""
+    import ml_dtypes
+    return sum(int(np.prod(shape)) * np.dtype(getattr(ml_dtypes, dts[0], None) or dts[0]).itemsize
+               for shape, dts in checkpoint.expected_tensors(cfg).values())
+
+
 def state_report(cfg: ModelConfig, state: dict) -> list[str]:
     """Human-readable sizes of the inference state (entries and bytes per source)."""
     pos = np.asarray(state["pos"])
@@ -89,6 +100,12 @@ def main(argv=None):
         source = f"weights from {args.checkpoint}"
     else:
         cfg = ModelConfig.from_json(args.config)
+        need = random_weight_bytes(cfg)
+        if need > RANDOM_WEIGHTS_MAX_BYTES:
+            raise SystemExit(f"--config {args.config} without --checkpoint: its seeded random "
+                             f"weights would take {need / 1e9:.0f} GB of host memory (limit "
+                             f"{RANDOM_WEIGHTS_MAX_BYTES / 1e9:.0f} GB); pass --checkpoint DIR "
+                             "or a smaller config (configs/small.json)")
         params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, args.seed),
                                                 cfg)
         source = (f"SEEDED RANDOM WEIGHTS (seed {args.seed}, config {os.path.basename(args.config)})"
@@ -134,7 +151,8 @@ def main(argv=None):
     t_dec = time.perf_counter() - t1
     tps = (len(generated) - 1) / t_dec if len(generated) > 1 else float("nan")
     print("-" * 72)
-    print(text + "\033[1m" + tokenizer.decode(tok, generated) + "\033[0m")
+    bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
+    print(text + bold + tokenizer.decode(tok, generated) + plain)
     print("-" * 72)
     print(f"time to first token: {ttft:.2f}s (prefill mode {args.mode}, compilation included)")
     print(f"decode: {len(generated) - 1} tokens in {t_dec:.2f}s = {tps:.1f} tokens/s")

@@ -24,3 +24,18 @@ def test_generate_script(tmp_path, capsys):
     rec = json.loads(out_json.read_text())
     assert rec["prompt_tokens"] == 32 and len(rec["generated"]) == 3
     assert all(0 <= t < 129280 for t in rec["generated"])
+
+
+def test_generate_refuses_random_weights_at_the_release_size():
+    """Seeded random weights of configs/flash.json would take hundreds of GB of host memory:
+    refused with a message naming the size and the way out, before anything is built."""
+    import pytest
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "generate.py")
+    flash = os.path.join(os.path.dirname(__file__), "..", "configs", "flash.json")
+    argv = sys.argv
+    sys.argv = [script, "--config", flash]
+    try:
+        with pytest.raises(SystemExit, match=r"--checkpoint DIR.*small.json"):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv

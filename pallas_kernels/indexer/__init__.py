@@ -1,6 +1,7 @@
 """Lightning-indexer scores over the packed FP4 indexer K (spec 3.6).
 
-One public op, :func:`index_scores`, with implementations behind ``impl``:
+Two public ops, :func:`index_scores` and :func:`select_topk` (the top-k of its scores), with
+implementations behind ``impl``; those of :func:`index_scores`:
 
 * ``"xla"``: dequantise the whole packed indexer K to bf16 and score it with
   :func:`dsv41_jax.layers.indexer.index_scores` (the reference, and the fallback everywhere);
