@@ -253,7 +253,7 @@ def test_candidate_pool_with_the_selection_kernel():
     from pallas_kernels.indexer import topk_triton as ttk
     rng = np.random.default_rng(2)
     select = functools.partial(ttk.select_topk, interpret=True)
-    for trial, T, _, x in _score_trials(rng, 6, 2, 2, 400, 2):
+    for trial, T, _, x in _score_trials(rng, 4, 2, 2, 400, 2):   # one of each kind
         vis = jnp.asarray(rng.integers(1, T + 1, (2, 2)), jnp.int32)
         block, n_blocks = int(rng.choice([2, 8])), int(rng.integers(1, 40))
         want = indexer.candidate_pool(x, vis, n_blocks, block)
