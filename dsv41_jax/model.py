@@ -301,10 +301,10 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         bitwise that of a batch of one (slower for large batches).
       attn_impl: kernel family (``pallas_kernels.sparse_attention.IMPLS``) for the sparse
         attention and the FP4 state writes: ``"auto"`` picks the Triton kernels on GPU (for
-        the shapes they tile) and the XLA path otherwise (CPU, TPU); ``"xla"``, ``"triton"``, ``"mosaic_tpu"`` (and their ``*_interpret``
-        variants) force one. The indexer scores and top-k follow the family at every batch size
-        (:func:`pallas_kernels.indexer.impl_for_family`, :func:`~pallas_kernels.indexer.
-        select_impl_for_family`).
+        the shapes they tile) and the XLA path otherwise (CPU, TPU); ``"xla"``, ``"triton"``,
+        ``"mosaic_tpu"`` (and their ``*_interpret`` variants) force one. The indexer scores
+        and top-k follow the family too (:func:`pallas_kernels.indexer.impl_for_family`,
+        :func:`~pallas_kernels.indexer.select_impl_for_family`).
 
     Returns ``(out, state)`` with ``out["logits"]`` fp32 [B, V] at each row's last token.
 

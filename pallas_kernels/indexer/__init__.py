@@ -142,15 +142,11 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, impl: str = "auto"
     ``impl``, ``"triton"`` without a GPU, a ``score`` that is not fp32 [B, S, T] or a ``k``
     that is not an integer >= 1.
     """
-    import jax.numpy as jnp
-    import numpy as np
     from dsv41_jax.layers import indexer
+    from pallas_kernels.indexer import topk_triton
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if score.ndim != 3 or score.dtype != jnp.float32:
-        raise ValueError(f"score: expected fp32 [B, S, T], got {score.dtype} {score.shape}")
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    topk_triton.check_inputs(score, k)
     if impl == "auto":
         impl = "triton" if jax.default_backend() in ("gpu", "cuda") else "xla"
     if impl == "xla":
@@ -158,7 +154,6 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, impl: str = "auto"
     if impl == "triton" and jax.default_backend() not in ("gpu", "cuda"):
         raise ValueError(f"impl='triton' needs a GPU backend (got {jax.default_backend()!r}); "
                          "use 'triton_interpret' on CPU")
-    from pallas_kernels.indexer import topk_triton
     B, S, T = score.shape
     if not topk_triton.preferred(B * S, T, min(k, T)):   # a row it would stream: slower
         return indexer.select_topk_radix(score, k)

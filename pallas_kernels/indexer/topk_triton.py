@@ -153,11 +153,17 @@ def preferred(rows: int, T: int, k: int) -> bool:
     return not (T > TILE and default_segment(rows, T, k) >= T)
 
 
-def _check(score, k, tile, write_tile, num_warps, segment):
+def check_inputs(score, k) -> None:
+    """The selection's input checks, shared by every implementation: ``ValueError`` for a
+    ``score`` that is not fp32 [B, S, T] or a ``k`` that is not an integer >= 1."""
     if score.ndim != 3 or score.dtype != F32:
         raise ValueError(f"score: expected fp32 [B, S, T], got {score.dtype} {score.shape}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
+
+
+def _check(score, k, tile, write_tile, num_warps, segment):
+    check_inputs(score, k)
     for name, t, top in (("tile", tile, MAX_TILE), ("write_tile", write_tile, MAX_WRITE_TILE),
                          ("num_warps", num_warps, 32), ("segment", segment, MAX_TILE)):
         if t is not None and (t < 1 or t & (t - 1) or t > top):
