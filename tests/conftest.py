@@ -28,3 +28,21 @@ def tiny_a():
 def tiny_a_bf16():
     from dsv41_jax import parity
     return parity.load_fixture_dir(fixture_dir("tiny-a-bf16"))
+
+
+# -- two workers (scripts/test.sh: pytest-xdist, --dist loadgroup) ---------------------------
+# A test module's tests share compiled functions and session fixtures, so each module runs on
+# one worker (its own group), except the fixture-parity directories (3-4.5 min each, half the
+# suite), which are a group each. The longest groups are collected first, so the two workers
+# finish close together instead of one starting a fixture directory near the end.
+SLOW_FIRST = ("test_parity.py::test_fixture_dir", "test_sparse_attention.py::test_model_with")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.nodeid.split("/")[-1]
+        group = (item.nodeid if name.startswith(SLOW_FIRST[0]) else item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))
+    rank = {p: i for i, p in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda it: next((rank[p] for p in SLOW_FIRST
+                                    if it.nodeid.split("/")[-1].startswith(p)), len(rank)))
