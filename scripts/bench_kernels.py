@@ -46,6 +46,7 @@ from dsv41_jax import quant  # noqa: E402
 from pallas_kernels import sparse_attention as sa  # noqa: E402
 
 H, K, W, TOPK = 64, 512, 128, 512
+CANDIDATE_BLOCKS, CANDIDATE_BLOCK = 2048, 8   # the release candidate pool (configs/flash.json)
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
@@ -384,7 +385,42 @@ def indexer_rows(impls, inner, reps, roof, key):
         selection_timings(res, impls, B, T, jax.random.fold_in(key, T), max(2, inner // 2),
                           reps)
         rows.append(res)
+    for B, T in ((1, 65536), (8, 65536), (1, 262144), (8, 262144)):
+        rows.append(candidate_pool_timings(impls, B, T, jax.random.fold_in(key, 7 * T + B),
+                                           max(2, inner // 2), reps))
     return rows
+
+
+def candidate_pool_timings(impls, B, T, key, n_sets, reps) -> dict:
+    """The candidate pool of one decode step (spec 3.7: block maxima of B x T index scores,
+    blocks of ``CANDIDATE_BLOCK``, the top ``CANDIDATE_BLOCKS`` of them, the mask) with the
+    reference's ``lax.top_k`` and (with ``triton`` in ``impls``) the selection kernel; device
+    times. Both pools are asserted equal first."""
+    from dsv41_jax.layers import indexer
+    from pallas_kernels import indexer as pidx
+    sets = [(jax.random.normal(jax.random.fold_in(key, i), (B, 1, T), F32)
+             .astype(BF16).astype(F32), jnp.full((B, 1), T, jnp.int32)) for i in range(n_sets)]
+    pools = [("candidate pool, lax.top_k (xla)", None)]
+    if "triton" in impls:
+        pools.append(("candidate pool, selection kernel (triton)",
+                      functools.partial(pidx.select_topk, impl="triton")))
+    res = {"name": f"candidate pool B={B} T={T}", "B": B, "T": T,
+           "blocks": CANDIDATE_BLOCKS, "block": CANDIDATE_BLOCK, "impls": {}}
+    masks = []
+    for label, select in pools:
+        fn = jax.jit(lambda s, v, select=select: indexer.candidate_pool(
+            s, v, CANDIDATE_BLOCKS, CANDIDATE_BLOCK, select=select)[0])
+        masks.append(np.asarray(fn(*sets[0])))
+        m = measure(fn, sets, reps, profile=True)
+        t, dev = m["wall_s"], m.get("device_s")
+        res["impls"][label] = {"us": t * 1e6, "device_us": None if dev is None else dev * 1e6,
+                               "kernels": (m.get("kernels") or [])[:8]}
+        dtxt = "" if dev is None else f" | device {dev * 1e6:9.1f} us"
+        print(f"  pool  B={B:3d} T={T:7d} {label:42s} {t * 1e6:9.1f} us{dtxt}", flush=True)
+    res["same_pool"] = all(bool((mk == masks[0]).all()) for mk in masks)
+    if not res["same_pool"]:
+        print(f"  pool  B={B:3d} T={T:7d}: the pools DIFFER", flush=True)
+    return res
 
 
 def selection_timings(res, impls, B, T, key, n_sets, reps):

@@ -87,3 +87,15 @@ def test_plot_topk_points_follow_the_default_segment(tmp_path):
     assert pts == {(1, 32768, "radix"): 51.0, (1, 32768, "one stage"): 26.0,
                    (1, 32768, "default"): 14.0, (256, 32768, "one stage"): 60.0,
                    (256, 32768, "default"): 60.0}
+
+
+def test_candidate_pool_row_on_cpu(bk):
+    """The candidate-pool row: the release pool (2048 blocks of 8) over 32K scores, timed with
+    ``lax.top_k`` (the kernel's label only with ``triton``), its pool checked against itself."""
+    import jax
+    res = bk.candidate_pool_timings(["xla"], 1, 32768, jax.random.key(0), 2, 1)
+    assert res["name"] == "candidate pool B=1 T=32768" and res["same_pool"] is True
+    assert (res["blocks"], res["block"]) == (2048, 8)
+    assert list(res["impls"]) == ["candidate pool, lax.top_k (xla)"]
+    row = res["impls"]["candidate pool, lax.top_k (xla)"]
+    assert row["us"] > 0 and row["device_us"] is None and len(row["kernels"]) <= 8
