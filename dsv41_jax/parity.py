@@ -370,10 +370,14 @@ def _logit_checks(name, phase, got, ref, noise, noise_mean, n, ref_tok, ref_marg
         out.append(Check(name, f"{phase}.greedy_tokens", 1.0 - frac, 0.0,
                          f">= 90% equal on {agree.size} tie-free positions whose top-2 margin "
                          f"exceeds 2x noise", frac >= 0.9))
-    else:  # fp8/fp4 weights: the reference's own 2-ulp re-runs flip ~30% of greedy tokens
+    elif agree.size:  # fp8/fp4 weights: the reference's own 2-ulp re-runs flip ~30% of tokens
         out.append(Check(name, f"{phase}.greedy_tokens", 1.0 - frac, 0.0,
                          f"info only for quantised weights: {100 * frac:.0f}% equal on "
                          f"{agree.size} positions", True))
+    else:
+        out.append(Check(name, f"{phase}.greedy_tokens", 0.0, 0.0,
+                         "info only for quantised weights: no position whose top-2 margin "
+                         "exceeds 2x noise", True))
     return out
 
 

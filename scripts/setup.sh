@@ -10,5 +10,10 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "need Python >= 3.12 (set PYTHON=...)" >&2; exit 1; }
 if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+# the package is installed editable: pip runs again only when the dependencies change
+stamp=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.dsv41-installed 2>/dev/null)" != "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+  echo "$stamp" > .venv/.dsv41-installed
+fi

@@ -38,6 +38,11 @@ def tiny_a_bf16():
 SLOW_FIRST = ("test_parity.py::test_fixture_dir", "test_sparse_attention.py::test_model_with")
 
 
+def pytest_configure(config):
+    # registered here too, so that a run without the plugin (-p no:xdist) does not warn
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.nodeid.split("/")[-1]
