@@ -411,12 +411,8 @@ def candidate_pool_timings(impls, B, T, key, n_sets, reps) -> dict:
         fn = jax.jit(lambda s, v, select=select: indexer.candidate_pool(
             s, v, CANDIDATE_BLOCKS, CANDIDATE_BLOCK, select=select)[0])
         masks.append(np.asarray(fn(*sets[0])))
-        m = measure(fn, sets, reps, profile=True)
-        t, dev = m["wall_s"], m.get("device_s")
-        res["impls"][label] = {"us": t * 1e6, "device_us": None if dev is None else dev * 1e6,
-                               "kernels": (m.get("kernels") or [])[:8]}
-        dtxt = "" if dev is None else f" | device {dev * 1e6:9.1f} us"
-        print(f"  pool  B={B:3d} T={T:7d} {label:42s} {t * 1e6:9.1f} us{dtxt}", flush=True)
+        res["impls"][label] = row = _timed_entry(measure(fn, sets, reps, profile=True))
+        print(f"  pool  B={B:3d} T={T:7d} {label:42s} {_fmt_entry(row)}", flush=True)
     res["same_pool"] = all(bool((mk == masks[0]).all()) for mk in masks)
     if not res["same_pool"]:
         print(f"  pool  B={B:3d} T={T:7d}: the pools DIFFER", flush=True)
@@ -437,12 +433,22 @@ def selection_timings(res, impls, B, T, key, n_sets, reps):
         selections.append(("top-k kernel (triton)", functools.partial(pidx.select_topk,
                                                                       impl="triton")))
     for label, fn in selections:
-        m = measure(lambda x, fn=fn: fn(x, TOPK), topk_sets, reps, profile=True)
-        t, dev = m["wall_s"], m.get("device_s")
-        res["impls"][label] = {"us": t * 1e6, "device_us": None if dev is None else dev * 1e6,
-                               "kernels": m.get("kernels")}
-        dtxt = "" if dev is None else f" | device {dev * 1e6:9.1f} us"
-        print(f"  top-k B={B:3d} T={T:7d} {label:20s} {t * 1e6:9.1f} us{dtxt}", flush=True)
+        res["impls"][label] = row = _timed_entry(
+            measure(lambda x, fn=fn: fn(x, TOPK), topk_sets, reps, profile=True))
+        print(f"  top-k B={B:3d} T={T:7d} {label:20s} {_fmt_entry(row)}", flush=True)
+
+
+def _timed_entry(m: dict) -> dict:
+    """A row entry from :func:`measure`: wall ``us``, ``device_us`` (None without a device
+    trace) and the trace's 8 longest kernels."""
+    dev = m.get("device_s")
+    return {"us": m["wall_s"] * 1e6, "device_us": None if dev is None else dev * 1e6,
+            "kernels": (m.get("kernels") or [])[:8]}
+
+
+def _fmt_entry(row: dict) -> str:
+    dev = "" if row["device_us"] is None else f" | device {row['device_us']:9.1f} us"
+    return f"{row['us']:9.1f} us{dev}"
 
 
 # ----------------------------------------------------------------------------- check

@@ -43,11 +43,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker")
 
 
+def _slow_rank(item) -> int:
+    name = item.nodeid.split("/")[-1]
+    return next((i for i, p in enumerate(SLOW_FIRST) if name.startswith(p)), len(SLOW_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        name = item.nodeid.split("/")[-1]
-        group = (item.nodeid if name.startswith(SLOW_FIRST[0]) else item.nodeid.split("::")[0])
-        item.add_marker(pytest.mark.xdist_group(group))
-    rank = {p: i for i, p in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda it: next((rank[p] for p in SLOW_FIRST
-                                    if it.nodeid.split("/")[-1].startswith(p)), len(rank)))
+        parity_dir = _slow_rank(item) == 0
+        item.add_marker(pytest.mark.xdist_group(
+            item.nodeid if parity_dir else item.nodeid.split("::")[0]))
+    items.sort(key=_slow_rank)   # stable: the rest keep their order
