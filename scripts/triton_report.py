@@ -15,7 +15,8 @@ spent:
 XLA bundles its own Triton, so the numbers are those of Triton 3.6 on the same IR: close, not
 identical. They predicted the H200 timings of the chunked kernel's variants (docs/benchmarks.md).
 
-    python scripts/triton_report.py --rows prefill --tuning '{"n_chunks": 8}'
+    python scripts/triton_report.py --rows prefill --tuning '{"kv": "packed", "n_chunks": 8}'
+    python scripts/triton_report.py --rows prefill     # the dequantised rows' kernel (kv="dense")
     python scripts/triton_report.py --rows "decode B=8" --ttir-only --out /tmp/k.ttir
 """
 
@@ -38,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax._src.pallas.triton import gpu_info, lowering  # noqa: E402
 
 from pallas_kernels.sparse_attention import triton as tk  # noqa: E402
+from pallas_kernels.sparse_attention import triton_dense as td  # noqa: E402
 
 # (B, S, T, window rows, window list, top-k) at the release dims (64 heads x 512)
 ROWS = {"prefill": (1, 256, 4096, 384, 128, 512), "decode B=8": (8, 1, 4096, 129, 128, 512),
@@ -82,15 +84,26 @@ def lower_to_ttir(rows: str, tuning: dict) -> str:
     """
     f = jax.jit(functools.partial(tk.sparse_attention, scale=512 ** -0.5, **tuning))
     # with list splits the call also runs the split merge kernel: report the attention kernel
+    # (the packed rows' kernel or, with kv="dense", the dequantised rows' kernel)
     [text] = [t for t in capture_ttir(f, *_inputs(*ROWS[rows]))
-              if "tt.func public @csa2_sparse_attention" in t]
+              if re.search(r"tt\.func public @csa2_sparse_attention(_rows)?\(", t)]
     return text
+
+
+def is_dense(rows: str, tuning: dict) -> bool:
+    """Whether the call runs the dequantised rows' kernel (kv="dense", or the default rule)."""
+    B, S, T, Nw, Ww, k = ROWS[rows]
+    if "kv" in tuning:
+        return tuning["kv"] == "dense"
+    return td.worth_it(B * S, Ww + k, B * (Nw + T))
 
 
 def num_warps_of(rows: str, tuning: dict) -> tuple[int, int]:
     B, S = ROWS[rows][:2]
     n_blocks = -(-(ROWS[rows][4] + ROWS[rows][5]) // 64)
-    tune = dict(tk.default_tuning(B * S, 64, n_blocks, 512), **tuning)
+    default = (td.default_tuning(B * S, 64, n_blocks) if is_dense(rows, tuning) else
+               tk.default_tuning(B * S, 64, n_blocks, 512))
+    tune = dict(default, **{k: v for k, v in tuning.items() if k != "kv"})
     return tune["num_warps"], tune["num_stages"]
 
 

@@ -3,7 +3,10 @@ reference, dispatch rules, argument errors, and the model with the kernels switc
 
 from __future__ import annotations
 
+import re
+
 import dsv41_jax as dsv
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,6 +63,18 @@ CASES = {
         dict(K=128, Ww=64, k=192, Nw=80, T=300), dict(n_splits=4, merge="triton"), False),
     "12 heads in blocks of 4, splits merged by the kernel": (
         dict(H=12, K=64, Ww=20, k=100, Nw=40, T=120), dict(n_splits=2, block_h=4), False),
+    # the dequantised rows' kernel (kv="dense"; the default where rows are listed many times)
+    "dense rows, reference block order": (dict(), dict(kv="dense", n_splits=1), True),
+    "dense rows, whole blocks, 2 chunks, 3 stages": (
+        dict(K=128, Ww=128, k=128, Nw=130, T=300),
+        dict(kv="dense", n_splits=1, n_chunks=2, num_stages=3), True),
+    "dense rows, splits merged by the kernel, 4 heads per program": (
+        dict(Ww=70, k=130), dict(kv="dense", n_splits=3, block_h=4), False),
+    "dense rows, 12 heads in blocks of 4, splits merged in XLA, exp": (
+        dict(H=12, K=64, Ww=20, k=100, Nw=40, T=120),
+        dict(kv="dense", n_splits=2, block_h=4, merge="xla", softmax="exp"), False),
+    "dense rows by the default rule (40 queries over 50 rows)": (
+        dict(S=40, Nw=20, T=30), dict(), False),
 }
 
 
@@ -78,6 +93,60 @@ def test_triton_kernel_matches_reference(name):
     tol = 2 * np.abs(o0) * 2.0 ** -8 + 2.0 ** -8 * 6.0
     assert (np.abs(o0 - o1) <= tol).all()
     assert (o0 == o1).mean() > (0.99 if bitwise else 0.8)
+
+
+def test_dense_rows_swa_only_empty_and_rule():
+    from pallas_kernels.sparse_attention import triton_dense as td
+
+    q, wkv, wsc, widx, main, msc, topk, sink = make_inputs()
+    o0, l0 = sa.sparse_attention(q, wkv, wsc, widx, sink=sink, impl="xla")
+    o1, l1 = sa.sparse_attention(q, wkv, wsc, widx, sink=sink, impl="triton_interpret",
+                                 kv="dense", n_splits=1)
+    assert (_f32(o0) == _f32(o1)).mean() > 0.99
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-6)
+    # no rows at all to decode (empty window rows and main KV) and lists of -1 only: 0, sink
+    none = jnp.full_like(widx, -1)
+    o2, l2 = sa.sparse_attention(q, wkv[:, :0], wsc[:, :0], none, main[:, :0], msc[:, :0],
+                                 jnp.full_like(topk, -1), sink, impl="triton_interpret",
+                                 kv="dense")
+    assert (_f32(o2) == 0).all()
+    np.testing.assert_allclose(np.asarray(l2), np.broadcast_to(np.asarray(sink), l2.shape),
+                               rtol=1e-6)
+    # the joint list: window rows first, main entries offset past them, -1 kept, padded
+    lst = np.asarray(td.joint_list(widx, topk, wkv.shape[1], main.shape[1]))
+    assert lst.shape[-1] == 128
+    np.testing.assert_array_equal(lst[..., :20], np.asarray(widx))
+    want = np.where(np.asarray(topk) >= 0, np.asarray(topk) + 40, -1)
+    np.testing.assert_array_equal(lst[..., 20:90], want)
+    assert (lst[..., 90:] == -1).all()
+    # the rule: rows listed >= MIN_REUSE times on average (prefill), not decode
+    assert td.worth_it(4096, 640, 4096 + 4224)               # prefill 4096: ~300 times each
+    assert not td.worth_it(256, 640, 256 * (4096 + 129))     # decode B=256: 0.15 times
+    assert not td.worth_it(128, 640, 65536 + 256)            # replay of 128 over 64K entries
+
+    def kernels(*a, **kw):
+        text = str(jax.make_jaxpr(lambda *x: sa.sparse_attention(*x, **kw))(*a))
+        return sorted(set(re.findall(r"csa2_[a-z_]+", text)))
+    prefill = make_inputs(S=40, Nw=20, T=30)                 # 40 x 90 entries over 50 rows
+    assert kernels(*prefill, impl="triton_interpret") == ["csa2_merge_splits",
+                                                          "csa2_sparse_attention_rows"]
+    assert kernels(*prefill, impl="triton_interpret", kv="packed", n_splits=1) == [
+        "csa2_sparse_attention"]
+    assert kernels(*make_inputs(), impl="triton_interpret", n_splits=1) == [
+        "csa2_sparse_attention"]
+    with pytest.raises(ValueError, match="kv must be one of"):
+        sa.sparse_attention(*prefill, impl="triton_interpret", kv="bf16")
+    with pytest.raises(ValueError, match="not with kv='dense'"):
+        sa.sparse_attention(*prefill, impl="triton_interpret", kv="dense", prefetch="index")
+    with pytest.raises(ValueError, match="n_chunks"):
+        sa.sparse_attention(*prefill, impl="triton_interpret", kv="dense", n_chunks=3)
+    with pytest.raises(ValueError, match="block_h"):
+        sa.sparse_attention(*prefill, impl="triton_interpret", kv="dense", block_h=3)
+    kv = td.dense_rows(*prefill[1:3], *prefill[4:6])
+    assert kv.shape == (2, 50, 128) and kv.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="whole number of 64-entry blocks"):
+        td.sparse_attention_rows(prefill[0], kv, jnp.zeros((2, 40, 70), jnp.int32),
+                                 prefill[7], 0.1, interpret=True)
 
 
 def test_triton_kernel_swa_only_and_empty():
@@ -169,16 +238,29 @@ def test_dispatch_and_errors():
         sa.sparse_attention(*empty, impl="triton_interpret", softmax="exp10")
 
 
-def test_model_with_kernels_matches_xla_path(tiny_a):
+def test_model_with_kernels_matches_xla_path(tiny_a, monkeypatch):
     """prefill + decode with the Triton kernels (sparse attention and FP4 state writes) in
-    interpret mode: the FP4 caches bitwise equal, the logits within bf16 reordering noise."""
+    interpret mode: the FP4 caches bitwise equal, the logits within bf16 reordering noise.
+    Twice: with the rule's choice (the packed rows' kernel at these sizes: each row is listed
+    about 4 times), and with the dequantised rows' kernel forced on every call
+    (``MIN_REUSE = 0``; a capacity of its own, so that no earlier trace is reused)."""
+    from pallas_kernels.sparse_attention import triton_dense as td
+
     cfg, params, _ = tiny_a
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, size=(2, 24)).astype(np.int32)
     lengths = np.array([24, 17])
-    res = {}
-    for impl in ("xla", "triton_interpret"):
-        state = dsv.init_state(cfg, 2, 32)
+    dense_calls = []
+    rows_kernel = td.sparse_attention_rows
+
+    def counted(*a, **kw):
+        dense_calls.append(1)
+        return rows_kernel(*a, **kw)
+    monkeypatch.setattr(td, "sparse_attention_rows", counted)
+
+    def run(impl, capacity, min_reuse):
+        monkeypatch.setattr(td, "MIN_REUSE", min_reuse)
+        state = dsv.init_state(cfg, 2, capacity)
         out, state = dsv.prefill(params, cfg, tokens, state, lengths, mode="exact",
                                  attn_impl=impl)
         logits = [np.asarray(out["logits"])]
@@ -186,14 +268,20 @@ def test_model_with_kernels_matches_xla_path(tiny_a):
         nxt = logits[-1].argmax(-1)
         lg, state = dsv.decode_step(params, cfg, state, nxt, attn_impl=impl)
         logits.append(np.asarray(lg))
-        res[impl] = logits, kv_after_prefill
-    (la, kva), (lb, kvb) = res["xla"], res["triton_interpret"]
+        return logits, kv_after_prefill
+
+    la, kva = run("xla", 32, 8)
     first = "L" + str(min(int(k[1:]) for k in kva))
-    assert np.array_equal(kva[first], kvb[first])     # first KV source: identical inputs
-    for a, b in zip(la, lb):
-        scale = np.abs(a).max()
-        assert np.abs(a - b).max() <= 0.05 * scale
-        assert (a.argmax(-1) == b.argmax(-1)).all()
+    for capacity, min_reuse, dense in ((32, 8, False), (40, 0, True)):
+        dense_calls.clear()
+        lb, kvb = run("triton_interpret", capacity, min_reuse)
+        assert bool(dense_calls) == dense
+        assert np.array_equal(kva[first][:, :kvb[first].shape[1]],
+                              kvb[first][:, :kva[first].shape[1]])   # identical inputs
+        for a, b in zip(la, lb):
+            scale = np.abs(a).max()
+            assert np.abs(a - b).max() <= 0.05 * scale
+            assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
 def test_triton_kernel_clamps_indices_past_the_end():
@@ -203,9 +291,10 @@ def test_triton_kernel_clamps_indices_past_the_end():
     topk = topk.at[:, :, 7].set(main.shape[1] + 9)
     args = (q, wkv, wsc, widx, main, msc, topk, sink)
     o0, _ = sa.sparse_attention(*args, impl="xla")
-    o1, _ = sa.sparse_attention(*args, impl="triton_interpret", n_splits=1)
-    assert (_f32(o0) == _f32(o1)).mean() > 0.99
-    np.testing.assert_allclose(_f32(o1), _f32(o0), atol=0.07)
+    for kv in ("packed", "dense"):
+        o1, _ = sa.sparse_attention(*args, impl="triton_interpret", n_splits=1, kv=kv)
+        assert (_f32(o0) == _f32(o1)).mean() > 0.99
+        np.testing.assert_allclose(_f32(o1), _f32(o0), atol=0.07)
 
 
 @pytest.mark.parametrize("softmax", ["exp", "exp2"])

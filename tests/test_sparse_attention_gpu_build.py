@@ -34,14 +34,22 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
     ("decode B=8", {}, ["csa2_sparse_attention", "csa2_merge_splits"]),
     ("decode B=8", {"dequant": "jnp", "softmax": "exp", "merge": "xla"},
      ["csa2_sparse_attention"]),
-    ("prefill 256", {}, ["csa2_sparse_attention"]),       # default: 64 heads
-    ("prefill 256", {"n_chunks": 2, "prefetch": "late"}, ["csa2_sparse_attention"]),
-    ("prefill 256", {"n_chunks": 1, "prefetch": "index", "num_stages": 2},
+    # prefill: the rows are listed ~100 times each, so the default decodes them once and runs
+    # the dequantised rows' kernel (kv="dense"); the packed rows' kernel on request
+    ("prefill 256", {}, ["csa2_sparse_attention_rows"]),
+    ("prefill 256", {"kv": "dense", "n_chunks": 2, "num_stages": 3},
+     ["csa2_sparse_attention_rows"]),
+    ("decode B=8", {"kv": "dense"}, ["csa2_sparse_attention_rows", "csa2_merge_splits"]),
+    ("prefill 256", {"kv": "packed"}, ["csa2_sparse_attention"]),       # 64 heads
+    ("prefill 256", {"kv": "packed", "n_chunks": 2, "prefetch": "late"},
+     ["csa2_sparse_attention"]),
+    ("prefill 256", {"kv": "packed", "n_chunks": 1, "prefetch": "index", "num_stages": 2},
      ["csa2_sparse_attention"]),
     ("decode B=4 S=3", {"n_splits": 1, "dequant": "asm", "block_h": 64},
      ["csa2_sparse_attention"]),
     # heads padded to the 16-row tile; one list block, so no splits
-    ("tiny-a shapes, 8 heads x 64", {}, ["csa2_sparse_attention"]),
+    ("tiny-a shapes, 8 heads x 64", {"kv": "packed"}, ["csa2_sparse_attention"]),
+    ("tiny-a shapes, 8 heads x 64", {}, ["csa2_sparse_attention_rows"]),
 ])
 def test_gpu_kernel_lowers_for_h200(rows, tune, kernels):
     shapes = {"decode B=8": (8, 1, 1024, 129, 128, 512),
@@ -132,10 +140,17 @@ def test_triton_report_lowers_the_chunked_kernel():
     spec = importlib.util.spec_from_file_location("triton_report", path)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    ttir = report.lower_to_ttir("prefill", {})
+    packed = {"kv": "packed"}
+    ttir = report.lower_to_ttir("prefill", packed)
     assert ttir.count("tt.dot ") == 2 * 8 * 2
-    assert report.lower_to_ttir("prefill", {"n_chunks": 2}).count("tt.dot ") == 2 * 2 * 2
-    assert report.num_warps_of("prefill", {}) == (8, 1)
+    assert report.lower_to_ttir("prefill", {**packed, "n_chunks": 2}).count("tt.dot ") == 2 * 2 * 2
+    assert report.num_warps_of("prefill", packed) == (8, 1)
+    # the prefill row's default is the dequantised rows' kernel: one score and one PV product
+    # per block over the whole 512-channel tile, the rows staged one block ahead
+    dense = report.lower_to_ttir("prefill", {})
+    assert "@csa2_sparse_attention_rows" in dense and dense.count("tt.dot ") == 2
+    assert report.is_dense("prefill", {}) and not report.is_dense("decode B=8", {})
+    assert report.num_warps_of("prefill", {}) == (8, 2)
     # with list splits the row also runs the split merge kernel: the report is the attention's
     split = report.lower_to_ttir("decode B=8", {})
     assert "@csa2_sparse_attention" in split and "@csa2_merge_splits" not in split

@@ -4,8 +4,13 @@ One public op, :func:`sparse_attention`, with several implementations behind ``i
 
 * ``"xla"``: :func:`reference.sparse_attention_xla`, plain XLA (gather, dequantise, softmax);
   the pure-jnp reference every kernel is tested against, and the fallback everywhere.
-* ``"triton"``: Pallas Triton kernel for NVIDIA GPUs (``triton.py``); FP8/FP4 rows are gathered
-  and dequantised in the kernel, no bf16 copy of the KV is written to HBM.
+* ``"triton"``: Pallas Triton kernels for NVIDIA GPUs. Decode (``triton.py``): FP8/FP4 rows
+  are gathered and dequantised in the kernel, no bf16 copy of the KV is written to HBM.
+  Prefill chunks, where each row is listed hundreds of times (``triton_dense.py``): every row
+  is dequantised once into a bf16 row array (not a gathered copy: O(rows), not
+  O(queries x list)) and the kernel gathers the listed bf16 rows, staged in shared memory a
+  block ahead (1.56x the packed kernel at 4096 queries on the H200). The ``kv`` tuning
+  (``"packed"`` / ``"dense"``) overrides the choice.
 * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel (``tpu.py``): the index lists are prefetched to
   scalar memory and drive one row DMA per entry.
 * ``"mosaic_gpu"``: Pallas Mosaic GPU prototype for Hopper (``mosaic_gpu.py``): per-row TMA

@@ -35,6 +35,8 @@ cores, and its rows are dequantised once for all those heads.
 * ``dequant``: ``"jnp"``, or ``"asm"`` (a PTX decode without per-element conversion
   instructions, bitwise equal to the jnp decode). :func:`default_tuning` holds the measured
   choices (docs/benchmarks.md).
+* ``kv="dense"`` hands the call to :mod:`.triton_dense` (rows decoded once, then gathered as
+  bf16), the default where each row is listed many times (prefill chunks).
 
 The jnp decodes are integer bit manipulation (fp16 bit placement), so the kernel needs no fp8
 instructions and runs unchanged in Pallas interpret mode on CPU. The state never holds the
@@ -67,6 +69,7 @@ PREFETCH = ("none", "index", "late")
 DEQUANT = ("jnp", "asm")
 SOFTMAX = ("exp", "exp2")
 MERGE = ("xla", "triton")
+KV = ("packed", "dense")
 LOG2E = 1.4426950408889634
 
 
@@ -196,6 +199,18 @@ def repeat_columns(x, n: int):
     return x
 
 
+NT = (((1,), (1,)), ((), ()))   # a @ b.T
+NN = (((1,), (0,)), ((), ()))   # a @ b
+
+
+def tile_dot(a, b, dims, *, interpret: bool):
+    """fp32-accumulated product of two bf16 tiles (``dims``: :data:`NT` or :data:`NN`). In
+    interpret mode the operands go as fp32 (exact): XLA:CPU has no bf16 x bf16 -> f32 dot."""
+    if interpret:
+        a, b = a.astype(F32), b.astype(F32)
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
+
+
 def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_ref, *out_refs,
             S, K, n_chunks, block_h, n_win, n_blocks, n_splits, scale, interpret, dequant,
             prefetch, split_lists, softmax):
@@ -227,12 +242,8 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
     n_rows_win, n_rows_main = wkv_ref.shape[1], mkv_ref.shape[1]
     qs = [q_ref[:, pl.ds(c * KC, KC)] for c in range(n_chunks)]           # [BH, KC] bf16
 
-    def dot(a, b, dims):
-        if interpret:  # XLA:CPU has no bf16 x bf16 -> f32 dot thunk; f32 operands are exact
-            a, b = a.astype(F32), b.astype(F32)
-        return jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
-
-    nt, nn = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
+    dot = functools.partial(tile_dot, interpret=interpret)
+    nt, nn = NT, NN
 
     n_win_blocks = n_win // BN
 
@@ -297,17 +308,8 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
         for c in range(n_chunks):
             part = dot(qs[c], kv(c), nt)
             s = part if s is None else s + part
-        # an unlisted entry reads row 0 (finite: the state only ever holds valid codes)
-        # and gets P = 0, so it adds exactly nothing
-        s = jnp.where((idx >= 0)[None, :], s * scale, -jnp.inf)          # [BH, BN]
-        extra = after_scores() if after_scores is not None else None
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = exp(m - m_new)
-        p = exp(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        p = p.astype(BF16)
-        accs = tuple(acc * alpha[:, None] + dot(p, kv(c), nn) for c, acc in enumerate(accs))
-        return m_new, l, accs, extra
+        return softmax_update(s, idx >= 0, m, l, accs, lambda p, c: dot(p, kv(c), nn), scale,
+                              exp, after_scores)
 
     def phase(kind, lo, hi, carry):
         """Blocks [lo, hi) of one kind (``prefetch``: when the rows of block j+1 are loaded)."""
@@ -338,8 +340,7 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
         idx1 = blk(jnp.minimum(lo + 1, hi - 1))
         return jax.lax.fori_loop(lo, hi, body, (*carry, idx0, idx1, load(idx0)))[:3]
 
-    carry = (jnp.full((block_h,), NEG_START, F32), jnp.zeros((block_h,), F32),
-             tuple(jnp.zeros((block_h, KC), F32) for _ in range(n_chunks)))
+    carry = initial_carry(block_h, KC, n_chunks)
     full_win = n_win // BN                       # blocks of window rows only
     first_main = -(-n_win // BN)                 # first block of main-KV rows only
     if n_splits == 1:
@@ -354,8 +355,40 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
                          ("main", (first_main, n_blocks))):
         if c > a:
             carry = phase(kind, *rng(a, c), carry)
-    m, l, accs = carry
-    cols = [pl.ds(c * KC, KC) for c in range(n_chunks)]
+    write_outputs(out_refs, sink_ref, hb, *carry, n_splits=n_splits, exp=exp)
+
+
+def softmax_update(s, valid, m, l, accs, pv, scale: float, exp, after_scores=None):
+    """One 64-entry block of the reference's online sink softmax (spec 3.8), in a kernel.
+
+    ``s`` fp32 [BH, BN] unscaled scores, ``valid`` bool [BN] (an unlisted entry reads a
+    finite row and gets P = 0, so it adds exactly nothing), running max ``m`` / denominator
+    ``l`` fp32 [BH], accumulator chunks ``accs``; ``pv(p, c)`` is chunk c's product of the bf16
+    probabilities with the block's rows; ``after_scores()`` (if given) runs once the scores are
+    masked (loads issued there overlap the softmax and the PV product). Returns ``(m, l, accs,
+    after_scores() or None)``."""
+    s = jnp.where(valid[None, :], s * scale, -jnp.inf)                   # [BH, BN]
+    extra = after_scores() if after_scores is not None else None
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = exp(m - m_new)
+    p = exp(s - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    p = p.astype(BF16)
+    accs = tuple(acc * alpha[:, None] + pv(p, c) for c, acc in enumerate(accs))
+    return m_new, l, accs, extra
+
+
+def initial_carry(block_h: int, chunk: int, n_chunks: int):
+    """``(m, l, accs)`` before the first block: the reference's -1e30 running max, zeros."""
+    return (jnp.full((block_h,), NEG_START, F32), jnp.zeros((block_h,), F32),
+            tuple(jnp.zeros((block_h, chunk), F32) for _ in range(n_chunks)))
+
+
+def write_outputs(out_refs, sink_ref, hb, m, l, accs, *, n_splits: int, exp) -> None:
+    """A program's results: with one split ``o = bf16(acc / (l + e^(sink - m)))`` and the lse
+    (refs o [BH, K], lse [BH]); with several the split's ``(acc, m, l)`` for the merge."""
+    block_h, chunk = accs[0].shape
+    cols = [pl.ds(c * chunk, chunk) for c in range(len(accs))]
     if n_splits == 1:
         o_ref, lse_ref = out_refs
         sink = sink_ref[pl.ds(hb * block_h, block_h)]
@@ -369,6 +402,45 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
             acc_ref[:, col] = acc
         m_ref[...] = m
         l_ref[...] = l
+
+
+def outputs(R: int, H: int, K: int, block_h: int, n_splits: int):
+    """``(out_shape, out_specs)`` of a grid (rows, head blocks, splits): o bf16 [R, H, K] and
+    lse fp32 [R, H], or with several splits each split's acc fp32 [R, P, H, K], m and l."""
+    if n_splits == 1:
+        return ((jax.ShapeDtypeStruct((R, H, K), BF16), jax.ShapeDtypeStruct((R, H), F32)),
+                (pl.BlockSpec((None, block_h, K), lambda r, h, s: (r, h, 0)),
+                 pl.BlockSpec((None, block_h), lambda r, h, s: (r, h))))
+    return ((jax.ShapeDtypeStruct((R, n_splits, H, K), F32),
+             jax.ShapeDtypeStruct((R, n_splits, H), F32),
+             jax.ShapeDtypeStruct((R, n_splits, H), F32)),
+            (pl.BlockSpec((None, None, block_h, K), lambda r, h, s: (r, s, h, 0)),
+             pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h)),
+             pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h))))
+
+
+def finish(outs, sink, *, n_splits: int, merge: str, softmax: str, block_h: int,
+           interpret: bool, shape: tuple[int, int, int, int]):
+    """The kernel's outputs -> ``(o bf16 [B, S, H, K], lse fp32 [B, S, H])``: with several
+    splits merged by :func:`merge_splits` (``merge="triton"``) or :func:`merge_splits_xla`."""
+    if n_splits == 1:
+        o, lse = outs
+    else:
+        mrg = merge_splits_xla if merge == "xla" else functools.partial(
+            merge_splits, block_h=min(8, block_h), interpret=interpret)
+        o, lse = mrg(*outs, sink.astype(F32), softmax=softmax)
+    B, S, H, K = shape
+    return o.reshape(B, S, H, K), lse.reshape(B, S, H)
+
+
+def list_splits(programs: int, n_blocks: int) -> int:
+    """List splits (flash-decoding) for ``programs`` (query row, head block) programs over
+    ``n_blocks`` list blocks: none from 128 programs (about one per SM) on; otherwise up to one
+    block per split until 128, balanced (the fewest splits with the same blocks per split)."""
+    if programs >= 128:
+        return 1
+    n_splits = min(n_blocks, -(-128 // programs))
+    return -(-n_blocks // -(-n_blocks // n_splits))
 
 
 def _words(a):
@@ -465,10 +537,8 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
     faster at B=1-64)."""
     block_h = min(heads, 64)
     programs = rows * (heads // block_h)
-    n_splits = 1
+    n_splits = list_splits(programs, n_blocks)
     if programs < 128:
-        n_splits = min(n_blocks, -(-128 // programs))
-        n_splits = -(-n_blocks // -(-n_blocks // n_splits))      # balanced splits
         while (block_h > 32 and heads % (block_h // 2) == 0
                and 2 * programs * n_splits <= 132):
             block_h //= 2
@@ -480,13 +550,14 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "n_splits",
                                              "num_warps", "num_stages", "n_chunks", "dequant",
-                                             "prefetch", "softmax", "merge"))
+                                             "prefetch", "softmax", "merge", "kv"))
 def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale, *,
                      interpret: bool = False, block_h: int | None = None,
                      n_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, n_chunks: int | None = None,
                      dequant: str | None = None, prefetch: str | None = None,
-                     softmax: str | None = None, merge: str | None = None):
+                     softmax: str | None = None, merge: str | None = None,
+                     kv: str | None = None):
     """Triton implementation of :func:`pallas_kernels.sparse_attention.sparse_attention`.
 
     Same arguments and results (o bf16 [B,S,H,K], lse fp32 [B,S,H]). Tuning (unset values
@@ -497,24 +568,48 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     ``"asm"``: GPU only; interpret mode always decodes with jnp, since PTX cannot run on CPU),
     ``prefetch`` (one of :data:`PREFETCH`, see the module docstring), ``softmax`` (one of
     :data:`SOFTMAX`: the exponential, :func:`exp_of`), ``merge`` (one of :data:`MERGE`: the
-    splits' merge in XLA or in :func:`merge_splits`).
+    splits' merge in XLA or in :func:`merge_splits`), ``kv`` (one of :data:`KV`): ``"packed"``,
+    this kernel, which decodes every listed row in registers, or ``"dense"``, every window
+    row and main-KV entry decoded once to bf16 and the listed rows gathered by
+    :func:`.triton_dense.sparse_attention_rows` (its own defaults,
+    :func:`.triton_dense.default_tuning`; ``dequant`` / ``prefetch`` do not apply). Unset,
+    ``"dense"`` where the rows are listed at least :data:`.triton_dense.MIN_REUSE` times on
+    average (:func:`.triton_dense.worth_it`: prefill chunks; on the H200 the prefill row of
+    4096 queries takes 1.43 instead of 2.23 ms), ``"packed"`` otherwise (decode).
 
-    Raises ``ValueError`` for a tuning outside those limits or a head dim that is not a power
-    of two >= 64.
+    Raises ``ValueError`` for a tuning outside those limits (``dequant`` / ``prefetch`` with
+    ``kv="dense"`` included) or, for the packed kernel, a head dim that is not a power of two
+    >= 64.
     """
     B, S, H, K = q.shape
     tuning = dict(num_warps=num_warps, num_stages=num_stages, n_chunks=n_chunks,
                   dequant=dequant, prefetch=prefetch, softmax=softmax, merge=merge)
-    for key, allowed in (("dequant", DEQUANT), ("prefetch", PREFETCH), ("softmax", SOFTMAX),
-                         ("merge", MERGE)):   # checked first: also when nothing is listed
-        if tuning[key] is not None and tuning[key] not in allowed:
-            raise ValueError(f"{key} must be one of {allowed}, got {tuning[key]!r}")
+    for key, allowed, value in (("dequant", DEQUANT, dequant), ("prefetch", PREFETCH, prefetch),
+                                ("softmax", SOFTMAX, softmax), ("merge", MERGE, merge),
+                                ("kv", KV, kv)):   # checked first: also when nothing is listed
+        if value is not None and value not in allowed:
+            raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+    from pallas_kernels.sparse_attention import triton_dense   # it imports this module
+
+    n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
+    n_kv_rows = win_kv.shape[1] + (0 if topk is None else main.shape[1])
+    if kv is None:
+        kv = "dense" if triton_dense.worth_it(B * S, n_list, B * n_kv_rows) else "packed"
+    if kv == "dense":
+        if dequant is not None or prefetch is not None:
+            raise ValueError("dequant / prefetch tune the packed rows' decode: not with "
+                             "kv='dense'")
+        given = dict(block_h=block_h, n_splits=n_splits, num_warps=num_warps,
+                     num_stages=num_stages, n_chunks=n_chunks, softmax=softmax, merge=merge)
+        return triton_dense.sparse_attention(
+            q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
+            interpret=interpret, **{k: v for k, v in given.items() if v is not None})
     if H < 16 and not interpret and block_h is None:
         # fewer heads than the tensor-core tile (the test configs): zero heads pad the tile
         o, lse = sparse_attention(
             jnp.pad(q, ((0, 0), (0, 0), (0, 16 - H), (0, 0))), win_kv, win_scale, win_idx, main,
             main_scale, topk, jnp.pad(sink, (0, 16 - H)), scale, block_h=16, n_splits=n_splits,
-            **tuning)
+            kv="packed", **tuning)
         return o[:, :, :H], lse[:, :, :H]
     n_win = win_idx.shape[-1]
     if topk is None:  # SWA-only layer: a dummy main KV that the kernel never reads
@@ -565,18 +660,7 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         *[pl.BlockSpec() for _ in args[3:7]],     # whole arrays: rows are gathered in-kernel
         pl.BlockSpec((H,), lambda r, h, s: (0,)),
     ]
-    if n_splits == 1:
-        out_shape = (jax.ShapeDtypeStruct((R, H, K), BF16), jax.ShapeDtypeStruct((R, H), F32))
-        out_specs = (pl.BlockSpec((None, block_h, K), lambda r, h, s: (r, h, 0)),
-                     pl.BlockSpec((None, block_h), lambda r, h, s: (r, h)))
-    else:
-        out_shape = (jax.ShapeDtypeStruct((R, n_splits, H, K), F32),
-                     jax.ShapeDtypeStruct((R, n_splits, H), F32),
-                     jax.ShapeDtypeStruct((R, n_splits, H), F32))
-        out_specs = (
-            pl.BlockSpec((None, None, block_h, K), lambda r, h, s: (r, s, h, 0)),
-            pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h)),
-            pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h)))
+    out_shape, out_specs = outputs(R, H, K, block_h, n_splits)
     kernel = functools.partial(_kernel, S=S, K=K, n_chunks=n_chunks, block_h=block_h,
                                n_win=n_win, n_blocks=n_blocks, n_splits=n_splits, scale=scale,
                                interpret=interpret, dequant=tune["dequant"],
@@ -589,11 +673,5 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
                                              num_stages=tune["num_stages"]),
         name="csa2_sparse_attention",
     )(*args)
-    if n_splits == 1:
-        o, lse = outs
-    else:
-        acc, m, l = outs
-        merge = merge_splits_xla if tune["merge"] == "xla" else functools.partial(
-            merge_splits, block_h=min(8, block_h), interpret=interpret)
-        o, lse = merge(acc, m, l, sink.astype(F32), softmax=tune["softmax"])
-    return o.reshape(B, S, H, K), lse.reshape(B, S, H)
+    return finish(outs, sink, n_splits=n_splits, merge=tune["merge"], softmax=tune["softmax"],
+                  block_h=block_h, interpret=interpret, shape=(B, S, H, K))

@@ -1,0 +1,207 @@
+"""Pallas Triton kernel of the CSA2 sparse attention over rows dequantised once (spec 3.8).
+
+Prefill attends many queries to the same few KV rows: at 4096 queries x 640 listed entries over
+4224 window rows and 4096 main-KV entries, each row is listed about 315 times, and the packed
+kernel (:mod:`.triton`) decodes it every time. This variant decodes every row once, into one bf16
+row array ``[B, Nw + T, K]`` (the window rows, then the main-KV entries: 1 KiB per row, written
+once per call, not per query: no gathered copy), and the kernel gathers the listed bf16 rows
+directly into the tensor cores' operand tiles. With nothing to decode between the load and the
+``dot``, Triton's software pipeliner can stage the rows of the next blocks in shared memory
+(``cp.async``) while the current block's products run, which the packed kernel cannot do.
+
+The joint list is the window list followed by the top-k list with the main entries offset by
+``Nw`` (-1 stays -1), padded to whole 64-entry blocks: the reference's block order, so the
+online softmax sees the same blocks as :func:`.reference.sparse_attention_xla`.
+
+Use it where the rows are listed many times (``rows x list entries`` well above the row count:
+prefill chunks); in decode each row is listed about once and decoding all of them would cost
+more than the attention. :func:`worth_it` is the rule ``sparse_attention(impl="triton")`` uses.
+
+On the H200 (docs/benchmarks.md, session 11): 1.43 ms for 4096 queries x 640 entries
+(241 TFLOP/s; the packed kernel 2.23 ms, XLA 9.08 ms), of which 18 us decode the rows.
+Memory: the row array is ``B x (Nw + T) x K x 2`` bytes next to the packed state (at most
+``2 K / MIN_REUSE`` bytes per listed entry where the rule picks it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int, UInt8
+
+from pallas_kernels.sparse_attention import triton as tk
+from pallas_kernels.sparse_attention.reference import (SOFTMAX_BLOCK, dequant_main,
+                                                       dequant_window, pad_list)
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+I32 = jnp.int32
+# listed entries per row from which the rule decodes the rows once: the H200 break-even is
+# about 7 (decoding a row costs ~2.2 ns, the kernel saves ~0.31 ns per listed entry)
+MIN_REUSE = 8
+
+
+def worth_it(rows: int, list_len: int, n_rows: int) -> bool:
+    """Whether decoding all ``n_rows`` KV rows once beats decoding each listed row in the
+    kernel: ``rows`` query rows x ``list_len`` entries at least :data:`MIN_REUSE` times the
+    rows (prefill chunks: hundreds; decode: about one)."""
+    return rows * list_len >= MIN_REUSE * max(n_rows, 1)
+
+
+def default_tuning(rows: int, heads: int, n_blocks: int) -> dict:
+    """Block sizes for ``rows = B*S`` query rows: all (up to 64) heads of a query per program,
+    the list split (as :func:`.triton.default_tuning`) only when there are fewer than 128
+    programs, 8 warps, one 512-channel tile per block, the rows staged one block ahead
+    (``num_stages = 2``: 197 KB of shared memory, no spills in the sm_90a build)."""
+    block_h = min(heads, 64)
+    return {"block_h": block_h, "n_splits": tk.list_splits(rows * (heads // block_h), n_blocks),
+            "num_warps": 8, "num_stages": 2, "n_chunks": 1, "softmax": "exp2", "merge": "triton"}
+
+
+def dense_rows(win_kv: Float[Array, "B Nw K"], win_scale: UInt8[Array, "B Nw G"],
+               main: UInt8[Array, "B T K2"] | None, main_scale: Float[Array, "B T G2"] | None
+               ) -> Float[Array, "B N K"]:
+    """The window rows (float8_e4m3fn codes + E8M0 scale bytes per 32) and the main-KV entries
+    (packed e2m1 pairs + float8_e4m3fn scales per 16; None: none) dequantised to bf16, one
+    array ``[B, Nw + T, K]`` (exact: the values the packed kernel decodes in registers)."""
+    rows = [dequant_window(win_kv, win_scale)]
+    if main is not None and main.shape[1]:
+        rows.append(dequant_main(main, main_scale))
+    return jnp.concatenate(rows, axis=1)
+
+
+def joint_list(win_idx: Int[Array, "B S Ww"], topk: Int[Array, "B S k"] | None,
+               n_win_rows: int, n_main_rows: int = 0) -> Int[Array, "B S N"]:
+    """Rows of :func:`dense_rows` per query: the window list, then the top-k list offset by
+    ``n_win_rows`` (-1 = no entry stays -1), padded with -1 to whole 64-entry blocks. Entries
+    past the end of their rows read the last one, as the XLA path's gathers (and the packed
+    kernel) clamp them."""
+    win = jnp.where(win_idx >= 0, jnp.minimum(win_idx, max(n_win_rows - 1, 0)), -1)
+    if topk is None:
+        return pad_list(win)
+    top = jnp.where(topk >= 0, jnp.minimum(topk, max(n_main_rows - 1, 0)) + n_win_rows, -1)
+    return pad_list(jnp.concatenate([win, top], axis=-1))
+
+
+def _kernel(q_ref, lst_ref, kv_ref, sink_ref, *out_refs, S, K, n_chunks, block_h, n_blocks,
+            n_splits, scale, interpret, softmax):
+    """Program (row r = b*S + s, head block, split) over its blocks of the joint list."""
+    r, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    exp = tk.exp_of(softmax)
+    b = r // S
+    BN = SOFTMAX_BLOCK
+    KC = K // n_chunks
+    n_rows = kv_ref.shape[1]
+    qs = [q_ref[:, pl.ds(c * KC, KC)] for c in range(n_chunks)]           # [BH, KC] bf16
+
+    dot = functools.partial(tk.tile_dot, interpret=interpret)
+    nt, nn = tk.NT, tk.NN
+
+    def load(j):
+        idx = lst_ref[pl.ds(j * BN, BN)]
+        row = jnp.clip(idx, 0, n_rows - 1)[:, None]      # -1 reads row 0, weight exactly 0
+        return idx, [kv_ref[b, row, c * KC + jnp.arange(KC, dtype=I32)[None, :]]
+                     for c in range(n_chunks)]           # [BN, KC] bf16 each
+
+    def body(j, carry):
+        idx, kv = load(j)
+        s = None
+        for c in range(n_chunks):
+            part = dot(qs[c], kv[c], nt)
+            s = part if s is None else s + part
+        return tk.softmax_update(s, idx >= 0, *carry, lambda p, c: dot(p, kv[c], nn), scale,
+                                 exp)[:3]
+
+    lo, hi = 0, n_blocks
+    if n_splits > 1:
+        per = -(-n_blocks // n_splits)
+        lo = sp * per
+        hi = jnp.minimum(lo + per, n_blocks)
+    carry = jax.lax.fori_loop(lo, hi, body, tk.initial_carry(block_h, KC, n_chunks))
+    tk.write_outputs(out_refs, sink_ref, hb, *carry, n_splits=n_splits, exp=exp)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "n_splits",
+                                             "num_warps", "num_stages", "n_chunks", "softmax",
+                                             "merge"))
+def sparse_attention_rows(q: Float[Array, "B S H K"], kv: Float[Array, "B N K"],
+                          lst: Int[Array, "B S L"], sink: Float[Array, "H"], scale: float, *,
+                          interpret: bool = False, block_h: int = 64, n_splits: int = 1,
+                          num_warps: int = 8, num_stages: int = 2, n_chunks: int = 1,
+                          softmax: str = "exp2", merge: str = "triton"
+                          ) -> tuple[Float[Array, "B S H K"], Float[Array, "B S H"]]:
+    """The joint sink softmax of each query over its listed bf16 rows.
+
+    ``q`` bf16 [B, S, H, K]; ``kv`` bf16 [B, N, K] rows (:func:`dense_rows`); ``lst`` int32
+    [B, S, L] rows per query, -1 = no entry, L a multiple of 64 (:func:`joint_list`); ``sink``
+    fp32 [H]. Returns ``(o bf16 [B, S, H, K], lse fp32 [B, S, H])``, as
+    :func:`pallas_kernels.sparse_attention.sparse_attention`. Tuning: ``block_h`` heads per
+    program, ``n_splits`` list splits (merged by :func:`.triton.merge_splits`), Triton
+    ``num_warps`` / ``num_stages`` (2 or more: the row gathers are staged in shared memory
+    ahead of their block), ``n_chunks`` channel chunks per row tile, ``softmax`` (``"exp2"``
+    or ``"exp"``, as :func:`.triton.exp_of`).
+
+    Raises ``ValueError`` for a list that is not whole 64-entry blocks or a tuning outside
+    those limits.
+    """
+    B, S, H, K = q.shape
+    L = lst.shape[-1]
+    if L % SOFTMAX_BLOCK:
+        raise ValueError(f"lst: {L} entries is not a whole number of {SOFTMAX_BLOCK}-entry "
+                         f"blocks (pad with -1: joint_list)")
+    if softmax not in tk.SOFTMAX or merge not in tk.MERGE:
+        raise ValueError(f"softmax / merge must be in {tk.SOFTMAX} / {tk.MERGE}, "
+                         f"got {softmax!r} / {merge!r}")
+    if H % block_h or block_h & (block_h - 1) or (block_h < 16 and not interpret):
+        raise ValueError(f"block_h={block_h} must be a power of two dividing the {H} heads "
+                         f"(and >= 16 on a GPU: the tensor-core tile)")
+    if n_chunks < 1 or n_chunks & (n_chunks - 1) or K % n_chunks or K // n_chunks < 16:
+        raise ValueError(f"n_chunks={n_chunks} must be a power of two with K/n_chunks >= 16")
+    n_blocks = L // SOFTMAX_BLOCK
+    if n_blocks == 0:
+        return (jnp.zeros((B, S, H, K), BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H)))
+    n_splits = max(1, min(n_splits, n_blocks))
+    R = B * S
+    args = (q.reshape(R, H, K), lst.reshape(R, L), kv, sink.astype(F32))
+    in_specs = [pl.BlockSpec((None, block_h, K), lambda r, h, s: (r, h, 0)),
+                pl.BlockSpec((None, L), lambda r, h, s: (r, 0)),
+                pl.BlockSpec(),                       # whole array: rows gathered in-kernel
+                pl.BlockSpec((H,), lambda r, h, s: (0,))]
+    out_shape, out_specs = tk.outputs(R, H, K, block_h, n_splits)
+    kernel = functools.partial(_kernel, S=S, K=K, n_chunks=n_chunks, block_h=block_h,
+                               n_blocks=n_blocks, n_splits=n_splits, scale=scale,
+                               interpret=interpret, softmax=softmax)
+    outs = pl.pallas_call(
+        kernel, grid=(R, H // block_h, n_splits), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="csa2_sparse_attention_rows",
+    )(*args)
+    return tk.finish(outs, sink, n_splits=n_splits, merge=merge, softmax=softmax,
+                     block_h=block_h, interpret=interpret, shape=(B, S, H, K))
+
+
+def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale, *,
+                     interpret: bool = False, **tuning):
+    """:func:`pallas_kernels.sparse_attention.sparse_attention`'s arguments and results, by
+    :func:`dense_rows` + :func:`joint_list` + :func:`sparse_attention_rows` (``tuning`` goes to
+    the latter)."""
+    B, S, H, _ = q.shape
+    if H < 16 and not interpret:    # fewer heads than the tensor-core tile: zero heads pad it
+        o, lse = sparse_attention(
+            jnp.pad(q, ((0, 0), (0, 0), (0, 16 - H), (0, 0))), win_kv, win_scale, win_idx,
+            main, main_scale, topk, jnp.pad(sink, (0, 16 - H)), scale, **tuning)
+        return o[:, :, :H], lse[:, :, :H]
+    n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
+    tuning = dict(default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK)), **tuning)
+    if topk is None:
+        main = main_scale = None
+    kv = dense_rows(win_kv, win_scale, main, main_scale)
+    if kv.shape[1] == 0:   # nothing to gather from: one zero row keeps the reads in bounds
+        kv = jnp.zeros((kv.shape[0], 1, kv.shape[2]), BF16)
+    lst = joint_list(win_idx, topk, win_kv.shape[1], 0 if topk is None else main.shape[1])
+    return sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret, **tuning)
