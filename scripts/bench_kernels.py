@@ -463,7 +463,8 @@ def check(key, impls, only=None, tunings=({},)) -> list[dict]:
              ("decode B=8 T=300 (short top-k)", 8, 1, 300, False, {}),
              ("decode B=64 T=65536 split", 64, 1, 65536, False, {"n_splits": 4}),
              ("decode B=4 S=3 T=4096", 4, 3, 4096, False, {"n_splits": 1}),
-             ("prefill S=512 T=1024", 1, 512, 1024, True, {})]
+             ("prefill S=512 T=1024", 1, 512, 1024, True, {}),   # dequantised rows' kernel
+             ("prefill S=512 T=1024 packed", 1, 512, 1024, True, {"kv": "packed"})]
     if only:
         cases = [c for c in cases if any(c[0].startswith(o) for o in only)]
     for name, B, S, T, prefill, tune in cases:
@@ -580,7 +581,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-attention", action="store_true", help="no sparse attention rows")
     ap.add_argument("--tunings", default=None,
                     help='JSON list of Triton tunings to time on every row, e.g. '
-                         '\'[{"n_chunks": 4}, {"prefetch": "index"}]\' (the default tuning first)')
+                         '\'[{"kv": "packed"}, {"kv": "packed", "n_chunks": 4}]\' (the default '
+                         'tuning first; prefill rows default to kv="dense", where the packed '
+                         'kernel\'s dequant / prefetch tunings need kv="packed")')
     ap.add_argument("--fp4-tunings", default=None,
                     help='JSON list of FP4 codec tunings to time besides the default, e.g. '
                          '\'[{"encode": "jnp"}, {"block_rows": 32}]\'')

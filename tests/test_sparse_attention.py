@@ -112,6 +112,26 @@ def test_dense_rows_swa_only_empty_and_rule():
     assert (_f32(o2) == 0).all()
     np.testing.assert_allclose(np.asarray(l2), np.broadcast_to(np.asarray(sink), l2.shape),
                                rtol=1e-6)
+    # an empty part: its listed entries read zeros (XLA's gather from an empty array), never
+    # a row of the other part; as the packed kernel
+    for part in ("window", "main"):
+        args = [q, wkv, wsc, widx, main, msc, topk, sink]
+        if part == "window":
+            args[1:3] = wkv[:, :0], wsc[:, :0]
+            args[3] = jnp.where(widx >= 0, 0, -1)
+        else:
+            args[4:6] = main[:, :0], msc[:, :0]
+            args[6] = jnp.where(topk >= 0, 0, -1)
+        o0, l0 = sa.sparse_attention(*args, impl="xla")
+        for kv in ("packed", "dense"):
+            o1, l1 = sa.sparse_attention(*args, impl="triton_interpret", n_splits=1, kv=kv)
+            assert (_f32(o0) == _f32(o1)).mean() > 0.99, (part, kv)
+            np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5, atol=1e-5)
+    # nothing listed at all (a zero-width window list, no top-k), few programs: 0 and the sink
+    o3, l3 = sa.sparse_attention(q, wkv, wsc, widx[..., :0], sink=sink,
+                                 impl="triton_interpret", kv="dense")
+    assert (_f32(o3) == 0).all() and o3.shape == q.shape
+    np.testing.assert_allclose(np.asarray(l3), np.broadcast_to(np.asarray(sink), l3.shape))
     # the joint list: window rows first, main entries offset past them, -1 kept, padded
     lst = np.asarray(td.joint_list(widx, topk, wkv.shape[1], main.shape[1]))
     assert lst.shape[-1] == 128
@@ -144,6 +164,10 @@ def test_dense_rows_swa_only_empty_and_rule():
         sa.sparse_attention(*prefill, impl="triton_interpret", kv="dense", block_h=3)
     kv = td.dense_rows(*prefill[1:3], *prefill[4:6])
     assert kv.shape == (2, 50, 128) and kv.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        td.sparse_attention_rows(jnp.zeros((2, 40, 8, 96), jnp.bfloat16),
+                                 jnp.zeros((2, 50, 96), jnp.bfloat16),
+                                 jnp.zeros((2, 40, 64), jnp.int32), prefill[7], 0.1)
     with pytest.raises(ValueError, match="whole number of 64-entry blocks"):
         td.sparse_attention_rows(prefill[0], kv, jnp.zeros((2, 40, 70), jnp.int32),
                                  prefill[7], 0.1, interpret=True)

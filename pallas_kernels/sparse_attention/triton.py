@@ -437,7 +437,7 @@ def list_splits(programs: int, n_blocks: int) -> int:
     """List splits (flash-decoding) for ``programs`` (query row, head block) programs over
     ``n_blocks`` list blocks: none from 128 programs (about one per SM) on; otherwise up to one
     block per split until 128, balanced (the fewest splits with the same blocks per split)."""
-    if programs >= 128:
+    if programs >= 128 or n_blocks < 1:
         return 1
     n_splits = min(n_blocks, -(-128 // programs))
     return -(-n_blocks // -(-n_blocks // n_splits))
@@ -564,8 +564,9 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     come from :func:`default_tuning`): ``block_h`` heads per program (a power of two dividing
     H, >= 16 on a GPU), ``n_splits`` list splits (1 = the reference block order), Triton
     ``num_warps`` / ``num_stages``, ``n_chunks`` contiguous channel chunks (a power of two with
-    K / n_chunks >= 32, one FP8 scale block), ``dequant`` (``"jnp"``, or the PTX decode
-    ``"asm"``: GPU only; interpret mode always decodes with jnp, since PTX cannot run on CPU),
+    K / n_chunks >= 32, one FP8 scale block; >= 16 with ``kv="dense"``), ``dequant``
+    (``"jnp"``, or the PTX decode ``"asm"``: GPU only; interpret mode always decodes with jnp,
+    since PTX cannot run on CPU),
     ``prefetch`` (one of :data:`PREFETCH`, see the module docstring), ``softmax`` (one of
     :data:`SOFTMAX`: the exponential, :func:`exp_of`), ``merge`` (one of :data:`MERGE`: the
     splits' merge in XLA or in :func:`merge_splits`), ``kv`` (one of :data:`KV`): ``"packed"``,

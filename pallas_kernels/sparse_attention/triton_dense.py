@@ -67,7 +67,9 @@ def dense_rows(win_kv: Float[Array, "B Nw K"], win_scale: UInt8[Array, "B Nw G"]
                ) -> Float[Array, "B N K"]:
     """The window rows (float8_e4m3fn codes + E8M0 scale bytes per 32) and the main-KV entries
     (packed e2m1 pairs + float8_e4m3fn scales per 16; None: none) dequantised to bf16, one
-    array ``[B, Nw + T, K]`` (exact: the values the packed kernel decodes in registers)."""
+    array ``[B, Nw + T, K]`` (exact: the values the packed kernel decodes in registers, for
+    every code the state's quantisers write; fp8 NaN codes, never written, decode to NaN
+    here and to +-480 there)."""
     rows = [dequant_window(win_kv, win_scale)]
     if main is not None and main.shape[1]:
         rows.append(dequant_main(main, main_scale))
@@ -141,18 +143,21 @@ def sparse_attention_rows(q: Float[Array, "B S H K"], kv: Float[Array, "B N K"],
     fp32 [H]. Returns ``(o bf16 [B, S, H, K], lse fp32 [B, S, H])``, as
     :func:`pallas_kernels.sparse_attention.sparse_attention`. Tuning: ``block_h`` heads per
     program, ``n_splits`` list splits (merged by :func:`.triton.merge_splits`), Triton
-    ``num_warps`` / ``num_stages`` (2 or more: the row gathers are staged in shared memory
-    ahead of their block), ``n_chunks`` channel chunks per row tile, ``softmax`` (``"exp2"``
-    or ``"exp"``, as :func:`.triton.exp_of`).
+    ``num_warps`` / ``num_stages`` (the default 2 stages the row gathers in shared memory a
+    block ahead; 1 loads them at their block), ``n_chunks`` channel chunks per row tile (a
+    power of two, K / n_chunks >= 16), ``softmax`` (``"exp2"`` or ``"exp"``, as
+    :func:`.triton.exp_of`), ``merge`` (``"triton"`` or ``"xla"``).
 
-    Raises ``ValueError`` for a list that is not whole 64-entry blocks or a tuning outside
-    those limits.
+    Raises ``ValueError`` for a list that is not whole 64-entry blocks, a head dim that is not
+    a power of two >= 64 (the Triton tiles), or a tuning outside those limits.
     """
     B, S, H, K = q.shape
     L = lst.shape[-1]
     if L % SOFTMAX_BLOCK:
         raise ValueError(f"lst: {L} entries is not a whole number of {SOFTMAX_BLOCK}-entry "
                          f"blocks (pad with -1: joint_list)")
+    if K < 64 or K & (K - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two head dim >= 64, got {K}")
     if softmax not in tk.SOFTMAX or merge not in tk.MERGE:
         raise ValueError(f"softmax / merge must be in {tk.SOFTMAX} / {tk.MERGE}, "
                          f"got {softmax!r} / {merge!r}")
@@ -190,18 +195,26 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     """:func:`pallas_kernels.sparse_attention.sparse_attention`'s arguments and results, by
     :func:`dense_rows` + :func:`joint_list` + :func:`sparse_attention_rows` (``tuning`` goes to
     the latter)."""
-    B, S, H, _ = q.shape
+    B, S, H, K = q.shape
+    n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
+    if n_list == 0:   # nothing listed at all: o = 0, lse = sink
+        return (jnp.zeros((B, S, H, K), BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H)))
     if H < 16 and not interpret:    # fewer heads than the tensor-core tile: zero heads pad it
         o, lse = sparse_attention(
             jnp.pad(q, ((0, 0), (0, 0), (0, 16 - H), (0, 0))), win_kv, win_scale, win_idx,
             main, main_scale, topk, jnp.pad(sink, (0, 16 - H)), scale, **tuning)
         return o[:, :, :H], lse[:, :, :H]
-    n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
     tuning = dict(default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK)), **tuning)
+    # an empty part gets one zero row, as in the packed kernel: its listed entries read zeros
+    # (XLA's gather from an empty array), never a row of the other part
+    if win_kv.shape[1] == 0:
+        win_kv = jnp.zeros((B, 1, K), win_kv.dtype)
+        win_scale = jnp.zeros((B, 1, K // 32), win_scale.dtype)
     if topk is None:
         main = main_scale = None
+    elif main.shape[1] == 0:
+        main = jnp.zeros((B, 1, K // 2), main.dtype)
+        main_scale = jnp.zeros((B, 1, K // 16), main_scale.dtype)
     kv = dense_rows(win_kv, win_scale, main, main_scale)
-    if kv.shape[1] == 0:   # nothing to gather from: one zero row keeps the reads in bounds
-        kv = jnp.zeros((kv.shape[0], 1, kv.shape[2]), BF16)
     lst = joint_list(win_idx, topk, win_kv.shape[1], 0 if topk is None else main.shape[1])
     return sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret, **tuning)
