@@ -566,10 +566,10 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     ``num_warps`` / ``num_stages``, ``n_chunks`` contiguous channel chunks (a power of two with
     K / n_chunks >= 32, one FP8 scale block; >= 16 with ``kv="dense"``), ``dequant``
     (``"jnp"``, or the PTX decode ``"asm"``: GPU only; interpret mode always decodes with jnp,
-    since PTX cannot run on CPU),
-    ``prefetch`` (one of :data:`PREFETCH`, see the module docstring), ``softmax`` (one of
-    :data:`SOFTMAX`: the exponential, :func:`exp_of`), ``merge`` (one of :data:`MERGE`: the
-    splits' merge in XLA or in :func:`merge_splits`), ``kv`` (one of :data:`KV`): ``"packed"``,
+    since PTX cannot run on CPU), ``prefetch`` (one of :data:`PREFETCH`, see the module
+    docstring), ``softmax`` (one of :data:`SOFTMAX`: the exponential, :func:`exp_of`),
+    ``merge`` (one of :data:`MERGE`: the splits' merge in XLA or in :func:`merge_splits`),
+    ``kv`` (one of :data:`KV`): ``"packed"``,
     this kernel, which decodes every listed row in registers, or ``"dense"``, every window
     row and main-KV entry decoded once to bf16 and the listed rows gathered by
     :func:`.triton_dense.sparse_attention_rows` (its own defaults,
