@@ -165,7 +165,9 @@ def main(argv=None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 f.write(ttir)
-        print(f"Triton IR: {len(ttir.splitlines())} lines, {ttir.count('tt.dot ')} tt.dot")
+        name = re.search(r"tt\.func public @(\w+)", ttir).group(1)
+        print(f"Triton IR of {name}: {len(ttir.splitlines())} lines, "
+              f"{ttir.count('tt.dot ')} tt.dot")
         return 0
     nw, ns = num_warps_of(args.rows, tuning)
     try:
@@ -173,7 +175,8 @@ def main(argv=None) -> int:
             report = compile_report(ttir, nw, ns, tmp)
     except ImportError:
         print("the standalone triton package is needed for the compile report: "
-              "pip install -e .[kernel-report] (or pass --ttir-only)", file=sys.stderr)
+              ".venv/bin/pip install -c constraints.txt -e \".[kernel-report]\" (or pass "
+              "--ttir-only)", file=sys.stderr)
         return 2
     report = {"rows": args.rows, "tuning": tuning, "num_warps": nw, "num_stages": ns, **report}
     print(json.dumps(report, indent=1))

@@ -106,7 +106,8 @@ def sparse_attention(q: Float[Array, "B S H K"], win_kv, win_scale, win_idx: Int
       topk: int32 [B, S, k] entries of ``main`` per query, -1 = no entry; None for SWA-only.
       sink: fp32 [H] attention-sink logits (unscaled).
       scale: softmax scale (default ``K ** -0.5``).
-      impl: see the module docstring. ``tuning`` goes to the kernel (block sizes, splits);
+      impl: see the module docstring. ``tuning`` goes to the kernel (block sizes, splits;
+        for ``triton`` also ``kv="packed" | "dense"``, the kernel, see ``triton.py``);
         ``impl="xla"`` and ``"mosaic_gpu"`` take none (ValueError), with ``"auto"`` it is
         unused where ``auto`` picks XLA.
 

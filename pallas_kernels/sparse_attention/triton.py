@@ -343,13 +343,10 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
     carry = initial_carry(block_h, KC, n_chunks)
     full_win = n_win // BN                       # blocks of window rows only
     first_main = -(-n_win // BN)                 # first block of main-KV rows only
+    lo, hi = split_range(sp, n_blocks, n_splits)
     if n_splits == 1:
-        lo, hi = 0, n_blocks
         rng = lambda a, c: (max(a, lo), min(c, hi))  # noqa: E731
     else:
-        per = -(-n_blocks // n_splits)
-        lo = sp * per
-        hi = jnp.minimum(lo + per, n_blocks)
         rng = lambda a, c: (jnp.maximum(a, lo), jnp.minimum(c, hi))  # noqa: E731
     for kind, (a, c) in (("window", (0, full_win)), ("mixed", (full_win, first_main)),
                          ("main", (first_main, n_blocks))):
@@ -376,6 +373,16 @@ def softmax_update(s, valid, m, l, accs, pv, scale: float, exp, after_scores=Non
     p = p.astype(BF16)
     accs = tuple(acc * alpha[:, None] + pv(p, c) for c, acc in enumerate(accs))
     return m_new, l, accs, extra
+
+
+def split_range(sp, n_blocks: int, n_splits: int):
+    """Blocks ``[lo, hi)`` of list split ``sp`` (traced): ``ceil(n_blocks / n_splits)`` each,
+    the last split shorter; with one split the static ``(0, n_blocks)``."""
+    if n_splits == 1:
+        return 0, n_blocks
+    per = -(-n_blocks // n_splits)
+    lo = sp * per
+    return lo, jnp.minimum(lo + per, n_blocks)
 
 
 def initial_carry(block_h: int, chunk: int, n_chunks: int):
@@ -431,6 +438,35 @@ def finish(outs, sink, *, n_splits: int, merge: str, softmax: str, block_h: int,
         o, lse = mrg(*outs, sink.astype(F32), softmax=softmax)
     B, S, H, K = shape
     return o.reshape(B, S, H, K), lse.reshape(B, S, H)
+
+
+def empty_result(q, sink):
+    """The op's result when nothing is listed: ``o = 0`` bf16 like ``q`` [B, S, H, K],
+    ``lse = sink`` fp32 [B, S, H]."""
+    B, S, H, _ = q.shape
+    return jnp.zeros(q.shape, BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H))
+
+
+def pad_heads(q, sink, fn):
+    """``fn(q, sink)`` with fewer than 16 heads padded by zero queries (and sinks) to the
+    16-row tensor-core tile, the padding heads cut from its ``(o, lse)``."""
+    H = q.shape[2]
+    o, lse = fn(jnp.pad(q, ((0, 0), (0, 0), (0, 16 - H), (0, 0))), jnp.pad(sink, (0, 16 - H)))
+    return o[:, :, :H], lse[:, :, :H]
+
+
+def nonempty_rows(win_kv, win_scale, main, main_scale):
+    """The row arrays with one zero row in place of an empty one (``main`` may be None), so
+    that every read stays in bounds: a listed entry of an empty part reads zeros, as XLA's
+    gather from an empty array does."""
+    B, _, K = win_kv.shape
+    if win_kv.shape[1] == 0:
+        win_kv = jnp.zeros((B, 1, K), win_kv.dtype)
+        win_scale = jnp.zeros((B, 1, K // 32), win_scale.dtype)
+    if main is not None and main.shape[1] == 0:
+        main = jnp.zeros((B, 1, K // 2), main.dtype)
+        main_scale = jnp.zeros((B, 1, K // 16), main_scale.dtype)
+    return win_kv, win_scale, main, main_scale
 
 
 def list_splits(programs: int, n_blocks: int) -> int:
@@ -600,18 +636,15 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         if dequant is not None or prefetch is not None:
             raise ValueError("dequant / prefetch tune the packed rows' decode: not with "
                              "kv='dense'")
-        given = dict(block_h=block_h, n_splits=n_splits, num_warps=num_warps,
-                     num_stages=num_stages, n_chunks=n_chunks, softmax=softmax, merge=merge)
+        given = dict(tuning, block_h=block_h, n_splits=n_splits)
         return triton_dense.sparse_attention(
             q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
             interpret=interpret, **{k: v for k, v in given.items() if v is not None})
     if H < 16 and not interpret and block_h is None:
         # fewer heads than the tensor-core tile (the test configs): zero heads pad the tile
-        o, lse = sparse_attention(
-            jnp.pad(q, ((0, 0), (0, 0), (0, 16 - H), (0, 0))), win_kv, win_scale, win_idx, main,
-            main_scale, topk, jnp.pad(sink, (0, 16 - H)), scale, block_h=16, n_splits=n_splits,
-            kv="packed", **tuning)
-        return o[:, :, :H], lse[:, :, :H]
+        return pad_heads(q, sink, lambda q16, sink16: sparse_attention(
+            q16, win_kv, win_scale, win_idx, main, main_scale, topk, sink16, scale,
+            block_h=16, n_splits=n_splits, kv="packed", **tuning))
     n_win = win_idx.shape[-1]
     if topk is None:  # SWA-only layer: a dummy main KV that the kernel never reads
         main = jnp.zeros((B, 1, K // 2), jnp.uint8)
@@ -628,15 +661,9 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         lst = pad_list(win_idx if topk is None else jnp.concatenate([win_idx, topk], axis=-1))
         top = lst
         n_blocks = lst.shape[-1] // SOFTMAX_BLOCK
-    if win_kv.shape[1] == 0:   # nothing to gather from: one zero row keeps the reads in bounds
-        win_kv = jnp.zeros((B, 1, K), win_kv.dtype)
-        win_scale = jnp.zeros((B, 1, K // 32), win_scale.dtype)
-    if main.shape[1] == 0:
-        main = jnp.zeros((B, 1, K // 2), main.dtype)
-        main_scale = jnp.zeros((B, 1, K // 16), main_scale.dtype)
-    if n_blocks == 0:   # nothing listed at all: o = 0, lse = sink
-        return (jnp.zeros((B, S, H, K), BF16),
-                jnp.broadcast_to(sink.astype(F32), (B, S, H)))
+    win_kv, win_scale, main, main_scale = nonempty_rows(win_kv, win_scale, main, main_scale)
+    if n_blocks == 0:   # nothing listed at all
+        return empty_result(q, sink)
     if K % 64 or K & (K - 1):
         raise ValueError(f"the Triton kernel needs a power-of-two head dim >= 64, got {K}")
     tune = default_tuning(B * S, H, n_blocks, K)

@@ -118,12 +118,8 @@ def _kernel(q_ref, lst_ref, kv_ref, sink_ref, *out_refs, S, K, n_chunks, block_h
         return tk.softmax_update(s, idx >= 0, *carry, lambda p, c: dot(p, kv[c], nn), scale,
                                  exp)[:3]
 
-    lo, hi = 0, n_blocks
-    if n_splits > 1:
-        per = -(-n_blocks // n_splits)
-        lo = sp * per
-        hi = jnp.minimum(lo + per, n_blocks)
-    carry = jax.lax.fori_loop(lo, hi, body, tk.initial_carry(block_h, KC, n_chunks))
+    carry = jax.lax.fori_loop(*tk.split_range(sp, n_blocks, n_splits), body,
+                              tk.initial_carry(block_h, KC, n_chunks))
     tk.write_outputs(out_refs, sink_ref, hb, *carry, n_splits=n_splits, exp=exp)
 
 
@@ -168,7 +164,7 @@ def sparse_attention_rows(q: Float[Array, "B S H K"], kv: Float[Array, "B N K"],
         raise ValueError(f"n_chunks={n_chunks} must be a power of two with K/n_chunks >= 16")
     n_blocks = L // SOFTMAX_BLOCK
     if n_blocks == 0:
-        return (jnp.zeros((B, S, H, K), BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H)))
+        return tk.empty_result(q, sink)
     n_splits = max(1, min(n_splits, n_blocks))
     R = B * S
     args = (q.reshape(R, H, K), lst.reshape(R, L), kv, sink.astype(F32))
@@ -197,24 +193,16 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     the latter)."""
     B, S, H, K = q.shape
     n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
-    if n_list == 0:   # nothing listed at all: o = 0, lse = sink
-        return (jnp.zeros((B, S, H, K), BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H)))
+    if n_list == 0:   # nothing listed at all
+        return tk.empty_result(q, sink)
     if H < 16 and not interpret:    # fewer heads than the tensor-core tile: zero heads pad it
-        o, lse = sparse_attention(
-            jnp.pad(q, ((0, 0), (0, 0), (0, 16 - H), (0, 0))), win_kv, win_scale, win_idx,
-            main, main_scale, topk, jnp.pad(sink, (0, 16 - H)), scale, **tuning)
-        return o[:, :, :H], lse[:, :, :H]
+        return tk.pad_heads(q, sink, lambda q16, sink16: sparse_attention(
+            q16, win_kv, win_scale, win_idx, main, main_scale, topk, sink16, scale, **tuning))
     tuning = dict(default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK)), **tuning)
-    # an empty part gets one zero row, as in the packed kernel: its listed entries read zeros
-    # (XLA's gather from an empty array), never a row of the other part
-    if win_kv.shape[1] == 0:
-        win_kv = jnp.zeros((B, 1, K), win_kv.dtype)
-        win_scale = jnp.zeros((B, 1, K // 32), win_scale.dtype)
     if topk is None:
         main = main_scale = None
-    elif main.shape[1] == 0:
-        main = jnp.zeros((B, 1, K // 2), main.dtype)
-        main_scale = jnp.zeros((B, 1, K // 16), main_scale.dtype)
+    # an empty part gets one zero row (its listed entries read zeros, never the other part's)
+    win_kv, win_scale, main, main_scale = tk.nonempty_rows(win_kv, win_scale, main, main_scale)
     kv = dense_rows(win_kv, win_scale, main, main_scale)
     lst = joint_list(win_idx, topk, win_kv.shape[1], 0 if topk is None else main.shape[1])
     return sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret, **tuning)
