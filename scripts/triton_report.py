@@ -16,7 +16,10 @@ XLA bundles its own Triton, so the numbers are those of Triton 3.6 on the same I
 identical. They predicted the H200 timings of the chunked kernel's variants (docs/benchmarks.md).
 
     python scripts/triton_report.py --rows prefill --tuning '{"kv": "packed", "n_chunks": 8}'
-    python scripts/triton_report.py --rows prefill     # the dequantised rows' kernel (kv="dense")
+    python scripts/triton_report.py --rows prefill     # the dequantised rows' Triton kernel
+
+(The prefill row itself runs the Mosaic GPU rows' kernel by default, ``kernel="mosaic_gpu"``,
+which is not Triton: for a dense row the report covers ``kernel="triton"``.)
     python scripts/triton_report.py --rows "decode B=8" --ttir-only --out /tmp/k.ttir
 """
 
@@ -82,6 +85,9 @@ def lower_to_ttir(rows: str, tuning: dict) -> str:
 
     Raises ``KeyError`` for an unknown row and ``ValueError`` for a tuning the kernel rejects.
     """
+    if is_dense(rows, tuning) and "kernel" not in tuning:
+        # the prefill rows default to the Mosaic GPU rows' kernel: report the Triton one
+        tuning = dict(tuning, kernel="triton")
     f = jax.jit(functools.partial(tk.sparse_attention, scale=512 ** -0.5, **tuning))
     # with list splits the call also runs the split merge kernel: report the attention kernel
     # (the packed rows' kernel or, with kv="dense", the dequantised rows' kernel)

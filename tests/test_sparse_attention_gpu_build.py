@@ -35,8 +35,11 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
     ("decode B=8", {"dequant": "jnp", "softmax": "exp", "merge": "xla"},
      ["csa2_sparse_attention"]),
     # prefill: the rows are listed ~100 times each, so the default decodes them once and runs
-    # the dequantised rows' kernel (kv="dense"); the packed rows' kernel on request
-    ("prefill 256", {}, ["csa2_sparse_attention_rows"]),
+    # a dequantised rows' kernel (kv="dense"): at 64 heads x 512 the warp-specialised Mosaic
+    # GPU one (session 12), the Triton one on request or when Triton tunings are given; the
+    # packed rows' kernel on request
+    ("prefill 256", {}, ["mosaic_gpu"]),
+    ("prefill 256", {"kv": "dense", "kernel": "triton"}, ["csa2_sparse_attention_rows"]),
     ("prefill 256", {"kv": "dense", "n_chunks": 2, "num_stages": 3},
      ["csa2_sparse_attention_rows"]),
     ("decode B=8", {"kv": "dense"}, ["csa2_sparse_attention_rows", "csa2_merge_splits"]),
@@ -63,8 +66,12 @@ def test_gpu_kernel_lowers_for_h200(rows, tune, kernels):
     with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
         exported = jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(*args)
     text = exported.mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") == len(kernels)
-    assert re.findall(r'name = "(csa2_[a-z_]+)"', text) == kernels
+    triton = [k for k in kernels if k != "mosaic_gpu"]
+    assert text.count("__gpu$xla.gpu.triton") == len(triton)
+    assert re.findall(r'name = "(csa2_[a-z_]+)"', text) == triton
+    mosaic = "mosaic_gpu" in kernels   # the rows' kernel by name in the serialised module
+    assert text.count("@mosaic_gpu_v2") == mosaic
+    assert ("csa2_sparse_attention_rows_mgpu" in text) == mosaic
     assert [o.shape for o in exported.out_avals] == [args[0].shape, args[0].shape[:3]]
 
 

@@ -586,14 +586,14 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "n_splits",
                                              "num_warps", "num_stages", "n_chunks", "dequant",
-                                             "prefetch", "softmax", "merge", "kv"))
+                                             "prefetch", "softmax", "merge", "kv", "kernel"))
 def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale, *,
                      interpret: bool = False, block_h: int | None = None,
                      n_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, n_chunks: int | None = None,
                      dequant: str | None = None, prefetch: str | None = None,
                      softmax: str | None = None, merge: str | None = None,
-                     kv: str | None = None):
+                     kv: str | None = None, kernel: str | None = None):
     """Triton implementation of :func:`pallas_kernels.sparse_attention.sparse_attention`.
 
     Same arguments and results (o bf16 [B,S,H,K], lse fp32 [B,S,H]). Tuning (unset values
@@ -612,10 +612,13 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     :func:`.triton_dense.default_tuning`; ``dequant`` / ``prefetch`` do not apply). Unset,
     ``"dense"`` where the rows are listed at least :data:`.triton_dense.MIN_REUSE` times on
     average (:func:`.triton_dense.worth_it`: prefill chunks; on the H200 the prefill row of
-    4096 queries takes 1.43 instead of 2.23 ms), ``"packed"`` otherwise (decode).
+    4096 queries takes 1.43 instead of 2.23 ms), ``"packed"`` otherwise (decode). ``kernel``
+    (``kv="dense"`` only): the rows' kernel, ``"triton"`` or ``"mosaic_gpu"`` (the
+    warp-specialised :mod:`.mosaic_gpu_rows`; its own rule in
+    :func:`.triton_dense.default_tuning`: prefill at the release's 64 heads x 512).
 
     Raises ``ValueError`` for a tuning outside those limits (``dequant`` / ``prefetch`` with
-    ``kv="dense"`` included) or, for the packed kernel, a head dim that is not a power of two
+    ``kv="dense"`` and ``kernel`` with ``kv="packed"`` included) or, for the packed kernel, a head dim that is not a power of two
     >= 64.
     """
     B, S, H, K = q.shape
@@ -632,11 +635,13 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     n_kv_rows = win_kv.shape[1] + (0 if topk is None else main.shape[1])
     if kv is None:
         kv = "dense" if triton_dense.worth_it(B * S, n_list, B * n_kv_rows) else "packed"
+    if kv == "packed" and kernel is not None:
+        raise ValueError("kernel picks the dequantised rows' kernel: only with kv='dense'")
     if kv == "dense":
         if dequant is not None or prefetch is not None:
             raise ValueError("dequant / prefetch tune the packed rows' decode: not with "
                              "kv='dense'")
-        given = dict(tuning, block_h=block_h, n_splits=n_splits)
+        given = dict(tuning, block_h=block_h, n_splits=n_splits, kernel=kernel)
         return triton_dense.sparse_attention(
             q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
             interpret=interpret, **{k: v for k, v in given.items() if v is not None})

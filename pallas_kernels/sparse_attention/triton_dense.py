@@ -52,14 +52,24 @@ def worth_it(rows: int, list_len: int, n_rows: int) -> bool:
     return rows * list_len >= MIN_REUSE * max(n_rows, 1)
 
 
-def default_tuning(rows: int, heads: int, n_blocks: int) -> dict:
+def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) -> dict:
     """Block sizes for ``rows = B*S`` query rows: all (up to 64) heads of a query per program,
     the list split (as :func:`.triton.default_tuning`) only when there are fewer than 128
     programs, 8 warps, one 512-channel tile per block, the rows staged one block ahead
-    (``num_stages = 2``: 197 KB of shared memory, no spills in the sm_90a build)."""
+    (``num_stages = 2``: 197 KB of shared memory, no spills in the sm_90a build).
+
+    ``kernel``: ``"mosaic_gpu"`` (:mod:`.mosaic_gpu_rows`, the warp-specialised kernel: 1.29
+    against 1.40 ms for the H200's prefill row, session 12) where it applies: 64 heads x 512,
+    at most ``MAX_LIST`` entries, and one program per query already fills the GPU (no list
+    splits); ``"triton"`` otherwise."""
+    from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
     block_h = min(heads, 64)
-    return {"block_h": block_h, "n_splits": tk.list_splits(rows * (heads // block_h), n_blocks),
-            "num_warps": 8, "num_stages": 2, "n_chunks": 1, "softmax": "exp2", "merge": "triton"}
+    n_splits = tk.list_splits(rows * (heads // block_h), n_blocks)
+    mgpu = (heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED) and n_splits == 1 and (
+        n_blocks * SOFTMAX_BLOCK <= mr.MAX_LIST)
+    return {"block_h": block_h, "n_splits": n_splits, "num_warps": 8, "num_stages": 2,
+            "n_chunks": 1, "softmax": "exp2", "merge": "triton",
+            "kernel": "mosaic_gpu" if mgpu else "triton"}
 
 
 def dense_rows(win_kv: Float[Array, "B Nw K"], win_scale: UInt8[Array, "B Nw G"],
@@ -186,23 +196,49 @@ def sparse_attention_rows(q: Float[Array, "B S H K"], kv: Float[Array, "B N K"],
                      block_h=block_h, interpret=interpret, shape=(B, S, H, K))
 
 
+KERNELS = ("triton", "mosaic_gpu")
+TRITON_ONLY = ("block_h", "n_splits", "num_warps", "num_stages", "n_chunks", "merge")
+
+
 def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale, *,
                      interpret: bool = False, **tuning):
     """:func:`pallas_kernels.sparse_attention.sparse_attention`'s arguments and results, by
-    :func:`dense_rows` + :func:`joint_list` + :func:`sparse_attention_rows` (``tuning`` goes to
-    the latter)."""
+    :func:`dense_rows` + :func:`joint_list` + the rows' kernel ``tuning["kernel"]``:
+    ``"triton"`` (:func:`sparse_attention_rows`, which takes the other tuning keywords) or
+    ``"mosaic_gpu"`` (:func:`.mosaic_gpu_rows.sparse_attention_rows`: ``softmax`` only). Unset,
+    :func:`default_tuning` decides (``"triton"`` in interpret mode or when Triton tuning
+    keywords are given).
+
+    Raises ``ValueError`` for an unknown kernel, Triton tuning keywords with
+    ``kernel="mosaic_gpu"``, or what the chosen kernel rejects."""
     B, S, H, K = q.shape
     n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
+    kernel = tuning.pop("kernel", None)
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "mosaic_gpu" and set(tuning) & set(TRITON_ONLY):
+        raise ValueError(f"{sorted(set(tuning) & set(TRITON_ONLY))} tune the Triton rows' "
+                         f"kernel: not with kernel='mosaic_gpu'")
     if n_list == 0:   # nothing listed at all
         return tk.empty_result(q, sink)
     if H < 16 and not interpret:    # fewer heads than the tensor-core tile: zero heads pad it
         return tk.pad_heads(q, sink, lambda q16, sink16: sparse_attention(
-            q16, win_kv, win_scale, win_idx, main, main_scale, topk, sink16, scale, **tuning))
-    tuning = dict(default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK)), **tuning)
+            q16, win_kv, win_scale, win_idx, main, main_scale, topk, sink16, scale,
+            **tuning, **({} if kernel is None else {"kernel": kernel})))
+    defaults = default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK), K)
+    if kernel is None:   # Triton tuning keywords given: the Triton kernel they tune
+        kernel = ("triton" if interpret or set(tuning) & set(TRITON_ONLY)
+                  else defaults["kernel"])
+    del defaults["kernel"]
     if topk is None:
         main = main_scale = None
     # an empty part gets one zero row (its listed entries read zeros, never the other part's)
     win_kv, win_scale, main, main_scale = tk.nonempty_rows(win_kv, win_scale, main, main_scale)
     kv = dense_rows(win_kv, win_scale, main, main_scale)
     lst = joint_list(win_idx, topk, win_kv.shape[1], 0 if topk is None else main.shape[1])
-    return sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret, **tuning)
+    if kernel == "mosaic_gpu":
+        from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
+        return mr.sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret,
+                                        softmax=tuning.get("softmax", defaults["softmax"]))
+    return sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret,
+                                 **dict(defaults, **tuning))

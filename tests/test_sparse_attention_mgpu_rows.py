@@ -1,0 +1,155 @@
+"""The warp-specialised Mosaic GPU rows' kernel (``mosaic_gpu_rows``): Mosaic GPU interpret mode
+on CPU against the XLA reference (its consumers, barriers and tiles; the producer copies rows by
+TMA there), the ``cp.async`` producer's swizzled addresses against Mosaic GPU's own swizzle, the
+CUDA lowering of the GPU build (``jax.export``: layouts, wgmma operands, the shared-memory
+budget) and how ``sparse_attention`` picks it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
+from pallas_kernels.sparse_attention import triton as tk
+from pallas_kernels.sparse_attention import triton_dense as td
+from pallas_kernels.sparse_attention.reference import sparse_attention_xla
+from test_sparse_attention import make_inputs
+
+H, K = 64, 512
+SCALE = K ** -0.5
+
+
+def _reset_interpreter():
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def _rows_and_list(args, topk_none=False):
+    q, wkv, wsc, widx, main, msc, topk, sink = args
+    if topk_none:
+        main = msc = topk = None
+    kv = td.dense_rows(wkv, wsc, main, msc)
+    return kv, td.joint_list(widx, topk, wkv.shape[1], 0 if main is None else main.shape[1])
+
+
+def _run(args, topk_none=False, **kw):
+    kv, rows = _rows_and_list(args, topk_none)
+    try:
+        o1, l1 = mr.sparse_attention_rows(args[0], kv, rows, args[-1], SCALE, interpret=True,
+                                          **kw)
+    except Exception:
+        _reset_interpreter()
+        raise
+    ref = list(args)
+    if topk_none:
+        ref[4:7] = [None, None, None]
+    o0, l0 = sparse_attention_xla(*ref, SCALE)
+    return (np.asarray(o1, np.float32), np.asarray(l1), np.asarray(o0, np.float32),
+            np.asarray(l0))
+
+
+def _compare(o1, l1, o0, l0):
+    assert not np.isnan(o1).any()
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
+    # fp32 summation order (the two halves' denominators, the wgmma sums) may move a bf16(P)
+    # rounding: <= 1 ulp of the output plus 2^-8 of the rows' size; nearly all bitwise equal
+    tol = 2 * np.abs(o0) * 2.0 ** -8 + 2.0 ** -8 * 6.0
+    assert (np.abs(o0 - o1) <= tol).all()
+    assert (o0 == o1).mean() > 0.99
+
+
+CASES = {
+    # name: make_inputs kwargs (B=1, S=2; query (0, 1) has no entry at all)
+    "window 20 + top-k 70: one list of 2 blocks": dict(Ww=20, k=70),
+    "window 128 + top-k 200: 6 blocks, both tiles reused, > 256 list entries": dict(
+        Ww=128, k=200, Nw=130),
+    "one block (window 20 + top-k 8)": dict(Ww=20, k=8),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rows_kernel_interpret_matches_reference(name):
+    args = make_inputs(**{"B": 1, "S": 2, "H": H, "K": K, "Nw": 70, "T": 150, "seed": 1,
+                          **CASES[name]})
+    o1, l1, o0, l0 = _run(args)
+    assert (o1[0, 1] == 0).all()                        # no valid entry: o = 0, lse = sink
+    np.testing.assert_allclose(l1[0, 1], np.asarray(args[-1]), rtol=1e-6)
+    _compare(o1, l1, o0, l0)
+
+
+def test_rows_kernel_swa_only_clamped_and_exp():
+    """A SWA-only list, entries past the end (they read the last row, as XLA's gather) and the
+    ``exp`` softmax; a batch of 2 (each query gathers from its own batch row)."""
+    args = list(make_inputs(B=2, S=2, H=H, K=K, Nw=70, T=150, Ww=40, k=8, seed=2))
+    args[3] = args[3].at[:, :, 3].set(args[1].shape[1] + 5)
+    _compare(*_run(tuple(args), topk_none=True, softmax="exp"))
+
+
+def test_rows_kernel_rejects_bad_input():
+    args = make_inputs(B=1, S=2, H=H, K=K, Nw=70, T=150, Ww=8, k=8)
+    kv, rows = _rows_and_list(args)
+    q, sink = args[0], args[-1]
+    with pytest.raises(ValueError, match="q: "):
+        mr.sparse_attention_rows(q[:, :, :32], kv, rows, sink[:32], SCALE)
+    with pytest.raises(ValueError, match="whole number"):
+        mr.sparse_attention_rows(q, kv, rows[..., :60], sink, SCALE)
+    with pytest.raises(ValueError, match="at most"):
+        long = jnp.zeros((1, 2, mr.MAX_LIST + 64), jnp.int32)
+        mr.sparse_attention_rows(q, kv, long, sink, SCALE)
+    with pytest.raises(ValueError, match="kv: "):
+        mr.sparse_attention_rows(q, kv[:, :0], rows, sink, SCALE)
+    with pytest.raises(ValueError, match="softmax"):
+        mr.sparse_attention_rows(q, kv, rows, sink, SCALE, softmax="exp3")
+
+
+def test_tile_byte_offset_is_mosaic_swizzle():
+    """The producer's address of every 16-byte chunk of a [64, 512] bf16 tile equals the one
+    Mosaic GPU's transfers compute for the same (8, SWIZZLE / 2) tiling and swizzle: the
+    unswizzled tiled offset, its 16-byte chunk index XORed with ``(offset // 128) mod
+    (SWIZZLE / 16)`` (fragmented_array's swizzle), and each chunk lands once."""
+    sw = mr.SWIZZLE
+    r, c = np.meshgrid(np.arange(64), np.arange(64), indexing="ij")
+    col = c * 8                                         # first bf16 column of the chunk
+    plain = (((r // 8) * (1024 // sw) + col // (sw // 2)) * 8 * sw + (r % 8) * sw
+             + (col % (sw // 2)) * 2)
+    want = plain ^ (((plain // 128) % (sw // 16)) * 16)
+    got = mr.tile_byte_offset(r, c)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got)) == 64 * 64 and got.max() < 64 * 1024 and (got % 16 == 0).all()
+
+
+@pytest.mark.parametrize("L", [128, 640, mr.MAX_LIST])
+def test_rows_kernel_lowers_for_cuda(L):
+    """The GPU build (the cp.async producer, wgmma operands from shared memory, in-place PV
+    accumulation, 3 warp groups) goes through Mosaic GPU's lowering and shared-memory budget:
+    the release list (640) and the longest that fits."""
+    structs = [jax.ShapeDtypeStruct((2, 3, H, K), jnp.bfloat16),
+               jax.ShapeDtypeStruct((2, 1000, K), jnp.bfloat16),
+               jax.ShapeDtypeStruct((2, 3, L), jnp.int32), jax.ShapeDtypeStruct((H,), jnp.float32)]
+    f = jax.jit(lambda *a: mr.sparse_attention_rows(*a, SCALE))
+    assert "mosaic_gpu" in jax.export.export(f, platforms=["cuda"])(*structs).mlir_module()
+
+
+def test_rule_and_dispatch():
+    """``triton_dense.default_tuning`` picks the Mosaic GPU kernel for the release's 64 x 512
+    heads when one program per query fills the GPU and the list fits; Triton otherwise, and
+    whenever Triton tunings are given; the keyword's errors."""
+    assert td.default_tuning(4096, 64, 10, 512)["kernel"] == "mosaic_gpu"
+    assert td.default_tuning(8, 64, 10, 512)["kernel"] == "triton"          # list splits
+    assert td.default_tuning(4096, 8, 10, 64)["kernel"] == "triton"          # tiny heads
+    assert td.default_tuning(4096, 64, mr.MAX_LIST // 64 + 1, 512)["kernel"] == "triton"
+    args = make_inputs(B=1, S=2, H=H, K=K, Nw=70, T=150, Ww=24, k=16, seed=3)
+    o1, l1 = tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="mosaic_gpu")
+    kv, rows = _rows_and_list(args)
+    o2, l2 = mr.sparse_attention_rows(args[0], kv, rows, args[-1], SCALE, interpret=True)
+    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+    with pytest.raises(ValueError, match="only with kv='dense'"):
+        tk.sparse_attention(*args, SCALE, interpret=True, kv="packed", kernel="mosaic_gpu")
+    with pytest.raises(ValueError, match="not with kernel='mosaic_gpu'"):
+        tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="mosaic_gpu",
+                            n_splits=2)
+    with pytest.raises(ValueError, match="kernel must be"):
+        tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="cuda")
