@@ -153,3 +153,15 @@ def test_rule_and_dispatch():
                             n_splits=2)
     with pytest.raises(ValueError, match="kernel must be"):
         tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="cuda")
+
+
+def test_rule_needs_hopper(monkeypatch):
+    """Not on another GPU generation (no sm_90 wgmma / register split there): Triton."""
+    class FakeGPU:
+        platform = "gpu"
+
+        def __init__(self, cc):
+            self.compute_capability = cc
+    for cc, kernel in (("8.0", "triton"), ("10.0", "triton"), ("9.0", "mosaic_gpu")):
+        monkeypatch.setattr(jax, "devices", lambda cc=cc: [FakeGPU(cc)])
+        assert td.default_tuning(4096, 64, 10, 512)["kernel"] == kernel

@@ -8,8 +8,8 @@ warp groups (``num_threads=3``, ``thread_name="wg"``):
 * **warp group 2, the producer** (40 registers per thread): gathers each 64-entry block's
   listed bf16 rows (1 KiB each) with ``cp.async`` (16 bytes per copy, 32 per thread and block,
   each thread one 16-byte column of 32 rows), straight into the swizzled ``[64, 512]`` operand
-  tile the tensor cores read: the 128-byte swizzle of Mosaic GPU's ``(8, 64)`` tiling
-  (:func:`tile_byte_offset`) is computed per copy, so no relayout pass and no bf16 copy in HBM.
+  tile the tensor cores read: the 64-byte swizzle of Mosaic GPU's (8 rows x 64 bytes) tiling
+  (:data:`TILED`, :func:`tile_byte_offset`) is computed per copy, so no relayout pass and no bf16 copy in HBM.
   Two tiles: block ``j + 1``'s copies are in flight while block ``j`` is consumed.
 * **warp groups 0 and 1, the consumers** (232 registers): each computes **half of the score
   tile** (``S_w = Q K_w^T``, entries ``32 w .. 32 w + 31`` of the block: wgmma N = 32, K = 512,
@@ -26,7 +26,8 @@ different from the reference's row sum, as the Triton kernels' are). -1 entries 
 and get the score -inf (exactly zero weight); a row with no entry gives 0.
 
 Shared memory: q 64 KiB (its buffer stages the output at the end), two row tiles 128 KiB, two
-``P`` buffers 16 KiB (by block parity, so that one warp group can run a block ahead), the row
+``P`` buffers 16 KiB (by block parity; with the two exchange syncs per block they are a
+safety margin, not needed: a later version may free them for longer lists), the row
 list ``4 L`` bytes, maxima / sums / sink / lse, barriers and Mosaic GPU's own scratch: the
 lowering's budget check passes up to ``L = MAX_LIST = 3072`` entries (3136 is 48 bytes over
 the 227 KiB); the release lists 640.
@@ -206,6 +207,7 @@ def _kernel(q_ref, rows_ref, kv_ref, sink_ref, o_ref, lse_ref,
                 lax.fori_loop(0, BN, body, 0)
                 plgpu.barrier_wait(stage_bar)
                 tiles.at[slot][...] = stage[...]
+                plgpu.commit_smem()   # the staging is read before the next block's copies
             else:
                 _cp_async_rows(rows_smem.at[pl.ds(j * BN, BN)], kv_ref.at[b], tiles.at[slot],
                                n_rows=n_rows)
@@ -316,6 +318,14 @@ def _kernel(q_ref, rows_ref, kv_ref, sink_ref, o_ref, lse_ref,
         def _():
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rid])
         plgpu.wait_smem_to_gmem(0)
+
+
+def on_hopper_or_unknown() -> bool:
+    """False on a GPU that is not Hopper (sm_90: the kernel's wgmma and register split), True
+    on Hopper and where the default device is no GPU (CPU lowering of a GPU build, tests)."""
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    return dev.platform != "gpu" or cc is None or str(cc).startswith("9.")
 
 
 def _check(q, kv, rows, sink):
