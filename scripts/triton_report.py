@@ -18,8 +18,8 @@ identical. They predicted the H200 timings of the chunked kernel's variants (doc
     python scripts/triton_report.py --rows prefill --tuning '{"kv": "packed", "n_chunks": 8}'
     python scripts/triton_report.py --rows prefill     # the dequantised rows' Triton kernel
 
-(The prefill row itself runs the Mosaic GPU rows' kernel by default, ``kernel="mosaic_gpu"``,
-which is not Triton: for a dense row the report covers ``kernel="triton"``.)
+(Rows of 64 heads x 512 with 128 programs or more run the Mosaic GPU kernels by default,
+``kernel="mosaic_gpu"``, which are not Triton: the report covers ``kernel="triton"``.)
     python scripts/triton_report.py --rows "decode B=8" --ttir-only --out /tmp/k.ttir
 """
 
@@ -85,9 +85,9 @@ def lower_to_ttir(rows: str, tuning: dict) -> str:
 
     Raises ``KeyError`` for an unknown row and ``ValueError`` for a tuning the kernel rejects.
     """
-    if is_dense(rows, tuning) and "kernel" not in tuning:
-        # the prefill rows default to the Mosaic GPU rows' kernel: report the Triton one
-        tuning = dict(tuning, kernel="triton")
+    # the rows of 64 x 512 heads without list splits default to the Mosaic GPU kernels:
+    # report the Triton ones
+    tuning = dict(tuning, kernel=tuning.get("kernel", "triton"))
     f = jax.jit(functools.partial(tk.sparse_attention, scale=512 ** -0.5, **tuning))
     # with list splits the call also runs the split merge kernel: report the attention kernel
     # (the packed rows' kernel or, with kv="dense", the dequantised rows' kernel)

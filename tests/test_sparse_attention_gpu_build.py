@@ -38,12 +38,16 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
     # a dequantised rows' kernel (kv="dense"): at 64 heads x 512 the warp-specialised Mosaic
     # GPU one (session 12), the Triton one on request or when Triton tunings are given; the
     # packed rows' kernel on request
-    ("prefill 256", {}, ["mosaic_gpu"]),
+    ("prefill 256", {}, ["mosaic_gpu:rows"]),
     ("prefill 256", {"kv": "dense", "kernel": "triton"}, ["csa2_sparse_attention_rows"]),
     ("prefill 256", {"kv": "dense", "n_chunks": 2, "num_stages": 3},
      ["csa2_sparse_attention_rows"]),
     ("decode B=8", {"kv": "dense"}, ["csa2_sparse_attention_rows", "csa2_merge_splits"]),
-    ("prefill 256", {"kv": "packed"}, ["csa2_sparse_attention"]),       # 64 heads
+    # the packed rows with >= 128 programs of 64 x 512 heads: the Mosaic GPU kernel with the
+    # decoding producer (session 12); Triton's packed kernel on request or with its tunings
+    ("prefill 256", {"kv": "packed"}, ["mosaic_gpu:packed"]),
+    ("prefill 256", {"kv": "packed", "kernel": "triton"}, ["csa2_sparse_attention"]),
+    ("decode B=4 S=3", {"kv": "packed", "kernel": "mosaic_gpu"}, ["mosaic_gpu:packed"]),
     ("prefill 256", {"kv": "packed", "n_chunks": 2, "prefetch": "late"},
      ["csa2_sparse_attention"]),
     ("prefill 256", {"kv": "packed", "n_chunks": 1, "prefetch": "index", "num_stages": 2},
@@ -66,12 +70,13 @@ def test_gpu_kernel_lowers_for_h200(rows, tune, kernels):
     with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
         exported = jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(*args)
     text = exported.mlir_module()
-    triton = [k for k in kernels if k != "mosaic_gpu"]
+    triton = [k for k in kernels if not k.startswith("mosaic_gpu")]
     assert text.count("__gpu$xla.gpu.triton") == len(triton)
     assert re.findall(r'name = "(csa2_[a-z_]+)"', text) == triton
-    mosaic = "mosaic_gpu" in kernels   # the rows' kernel by name in the serialised module
-    assert text.count("@mosaic_gpu_v2") == mosaic
-    assert ("csa2_sparse_attention_rows_mgpu" in text) == mosaic
+    mosaic = [k.split(":")[1] for k in kernels if k.startswith("mosaic_gpu")]
+    assert text.count("@mosaic_gpu_v2") == len(mosaic)   # (by name in the serialised module)
+    for kind in ("rows", "packed"):
+        assert (f"csa2_sparse_attention_{kind}_mgpu" in text) == (kind in mosaic)
     assert [o.shape for o in exported.out_avals] == [args[0].shape, args[0].shape[:3]]
 
 

@@ -146,7 +146,7 @@ def test_rule_and_dispatch():
     o2, l2 = mr.sparse_attention_rows(args[0], kv, rows, args[-1], SCALE, interpret=True)
     np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
     np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
-    with pytest.raises(ValueError, match="only with kv='dense'"):
+    with pytest.raises(ValueError, match="GPU only"):
         tk.sparse_attention(*args, SCALE, interpret=True, kv="packed", kernel="mosaic_gpu")
     with pytest.raises(ValueError, match="not with kernel='mosaic_gpu'"):
         tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="mosaic_gpu",
@@ -165,3 +165,68 @@ def test_rule_needs_hopper(monkeypatch):
     for cc, kernel in (("8.0", "triton"), ("10.0", "triton"), ("9.0", "mosaic_gpu")):
         monkeypatch.setattr(jax, "devices", lambda cc=cc: [FakeGPU(cc)])
         assert td.default_tuning(4096, 64, 10, 512)["kernel"] == kernel
+
+
+# ----------------------------------------------------------------------------- packed producer
+
+
+def _pair(fmt, a: int, b: int, scale_bits: int) -> tuple[float, float]:
+    """The packed producer's decode of one channel pair: ``triton.decode_ptx(fmt, 0, 0)`` on
+    the words ``a`` and ``b`` (each pair's code in byte 0) and one scale, CPU-emulated."""
+    import ptx_emu
+    out = int(ptx_emu.run_ptx(tk.decode_ptx(fmt, 0, 0).replace("$0", "out").replace(
+        "$1", "a").replace("$2", "b").replace("$3", "s").replace("$4", "s"),
+        {"a": a & 0xFFFFFFFF, "b": b & 0xFFFFFFFF, "s": scale_bits, "out": 0})["out"])
+    return (float(ptx_emu.bf16_values(out & 0xFFFF)), float(ptx_emu.bf16_values(out >> 16)))
+
+
+def test_packed_producer_pairs_are_channel_order():
+    """The producer's shifts put adjacent channels in each bf16 pair: a main-KV word (8 e2m1
+    codes, channel 2k in byte k's low nibble) as (byte k, byte k >> 4), a window word (4 e4m3
+    codes) as (w, w >> 8) and (w >> 16, w >> 24); exact for every byte value."""
+    import ml_dtypes
+    from pallas_kernels.sparse_attention.reference import E2M1_LUT
+    s = int(np.array([0.375], ml_dtypes.bfloat16).view(np.uint16)[0])
+    words = [b * 0x01010101 ^ 0x0F1E2D3C for b in range(256)] + [0x12345678, 0xFEDCBA98]
+    for w in words:
+        for k in range(4):
+            byte = w >> (8 * k)
+            got = _pair("e2m1", byte, byte >> 4, s)
+            want = tuple(float(E2M1_LUT[(w >> (8 * k + 4 * h)) & 15]) * 0.375 for h in (0, 1))
+            assert got == want
+        codes = [(w >> (8 * k)) & 0xFF for k in range(4)]
+        if any(c & 0x7F == 0x7F for c in codes):        # the NaN code: never in the state
+            continue
+        vals = np.array(codes, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        u = 130                                          # E8M0 scale 2^3: bits u << 7
+        got = _pair("e4m3", w, w >> 8, u << 7) + _pair("e4m3", w >> 16, w >> 24, u << 7)
+        assert got == tuple(float(v) * 8.0 for v in vals)
+
+
+@pytest.mark.parametrize("ww, k, swa_only", [(128, 512, False), (20, 70, False), (128, 0, True)])
+def test_packed_kernel_lowers_for_cuda(ww, k, swa_only):
+    """The decoding producer's GPU build (its PTX loads, decode and swizzled stores, the window /
+    main choice per row) goes through Mosaic GPU's lowering: the release decode list, a mixed
+    block and a SWA-only layer. (ptxas runs on the GPU only: the H200 check covers it.)"""
+    B, S, Nw, T = 2, 3, 129, 1000
+    structs = [jax.ShapeDtypeStruct(sh, d) for sh, d in [
+        ((B, S, H, K), jnp.bfloat16), ((B, Nw, K), jnp.float8_e4m3fn), ((B, Nw, K // 32), jnp.uint8),
+        ((B, S, ww), jnp.int32), ((B, T, K // 2), jnp.uint8), ((B, T, K // 16), jnp.float8_e4m3fn),
+        ((B, S, max(k, 1)), jnp.int32), ((H,), jnp.float32)]]
+    if swa_only:
+        f = lambda q, a, b, c, m, ms, t, s: mr.sparse_attention_packed(  # noqa: E731
+            q, a, b, c, None, None, None, s, SCALE)
+    else:
+        f = lambda *a: mr.sparse_attention_packed(*a, SCALE)  # noqa: E731
+    text = jax.export.export(jax.jit(f), platforms=["cuda"])(*structs).mlir_module()
+    assert "csa2_sparse_attention_packed_mgpu" in text
+
+
+def test_packed_rule():
+    """``triton.default_tuning`` picks the decoding Mosaic GPU kernel for 64 x 512 heads with
+    128 programs or more (B=256 decode, the CED replay), Triton's packed kernel below (list
+    splits) and for other heads."""
+    assert tk.default_tuning(256, 64, 10, 512)["kernel"] == "mosaic_gpu"
+    assert tk.default_tuning(128, 64, 10, 512)["kernel"] == "mosaic_gpu"
+    assert tk.default_tuning(64, 64, 10, 512)["kernel"] == "triton"
+    assert tk.default_tuning(256, 16, 10, 128)["kernel"] == "triton"

@@ -39,9 +39,17 @@ Over bf16 rows at decode shapes (one CTA per query, no list splits) the kernel a
 80 us at batch 256 (214 TFLOP/s) and 33 us at batch 8; decode keeps the packed kernel, since
 decoding every row once costs more than the attention there.
 
+**Packed rows** (:func:`sparse_attention_packed`, the default for packed rows with 128
+programs or more): the producer reads the state's FP8 window rows and packed FP4 main KV
+itself and decodes them into the tile (:func:`_decode_rows`: 16-byte loads, the Triton
+kernel's PTX decode, swizzled 16-byte shared stores; 72 registers, the consumers 216). H200:
+142.8 us at B=256 (150.4 TFLOP/s; Triton's packed kernel 158.6), 99.98% bitwise equal to XLA
+at B=8; the producer is its bottleneck (7.3 us per block and SM against 4.1 over bf16 rows).
+
 Interpret mode (CPU, tests) cannot run the producer's ``cp.async`` (``plgpu.inline_mgpu``):
 there the producer copies each listed row by TMA into a plain staging buffer and moves it
-into the tile through registers (the same tiles, barriers and consumers).
+into the tile through registers (the same tiles, barriers and consumers). The packed
+producer's PTX has no interpret mode: its decode pairs are CPU-emulated, its build lowered.
 
 Requirements: 64 heads, head dim 512, bf16 (GPU: Hopper). Raises ``ValueError`` otherwise.
 """
@@ -76,6 +84,14 @@ COPY_BYTES = 16       # one cp.async
 COLS_PER_ROW = ROW_BYTES // COPY_BYTES            # 64 copies per row
 ROWS_PER_PASS = 128 // COLS_PER_ROW               # rows one pass of the producer covers (2)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
+# the packed producer holds PASS_ROWS rows' words and decodes them: more registers, and the
+# consumers give them up. The three warp groups share what the launch allocates, 168 per
+# thread (65536 / 384, in steps of 8): producer + 2 x consumer must stay <= 504, or a
+# consumer's setmaxnreg increase waits forever (64 + 2 x 224 hung the H200)
+PACKED_PRODUCER_REGS, PACKED_CONSUMER_REGS = 72, 216
+REG_POOL = 3 * 168
+assert PRODUCER_REGS + 2 * CONSUMER_REGS <= REG_POOL
+assert PACKED_PRODUCER_REGS + 2 * PACKED_CONSUMER_REGS <= REG_POOL
 # the operand tiles' layout (q, rows, P: wgmma needs one swizzle for both operands, and P's
 # halves are 32 entries = 64 bytes wide): tiles of 8 rows x 64 bytes, 64-byte swizzle
 SWIZZLE = 64
@@ -97,60 +113,186 @@ def tile_byte_offset(row, chunk):
             + r8 * SWIZZLE + (((chunk % per_row) ^ ((r8 * SWIZZLE >> 7) % per_row)) * 16))
 
 
+class _Mlir:
+    """The few MLIR builders the producers' inline Mosaic GPU code uses (built inside an
+    ``inline_mgpu`` function, where an MLIR context and insertion point exist)."""
+
+    def __init__(self):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref
+        from jax.experimental.mosaic.gpu import utils as mu
+        self.ir, self.arith, self.llvm, self.memref, self.mu = ir, arith, llvm, memref, mu
+        self.i8, self.i32, self.i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
+        self.index = ir.IndexType.get()
+        tid = arith.index_cast(self.i32, gpu.thread_id(gpu.Dimension.x))
+        self.lane = arith.remui(tid, self.c(128))          # thread of the warp group
+
+    def c(self, v: int, t=None):
+        return self.arith.constant(t or self.i32, v)
+
+    def gmem(self, ref):
+        """Global pointer of a GMEM ref (its offset included)."""
+        return self.llvm.addrspacecast(self.llvm.PointerType.get(address_space=1),
+                                       self.mu.memref_ptr(ref))
+
+    def at(self, base, offset):
+        """``base + offset`` bytes (offset: i32 or i64 value)."""
+        return self.llvm.getelementptr(base.type, base, [offset], [-2**31], self.i8, 0)
+
+    def load_i32(self, ref, i):
+        """``ref[i]`` of an int32 SMEM ref (``i``: i32 value)."""
+        return self.memref.load(ref, [self.arith.index_cast(self.index, i)])
+
+    def wide(self, x, n: int):
+        """i64 ``x * n`` (x: i32 value)."""
+        return self.arith.muli(self.arith.extsi(self.i64, x), self.c(n, self.i64))
+
+    def int(self, v):
+        return _Int(self, v)
+
+
+class _Int:
+    """An i32 MLIR value with the integer operators :func:`tile_byte_offset` uses."""
+
+    def __init__(self, m: _Mlir, v):
+        self.m, self.value = m, v
+
+    def _op(self, fn, o):
+        return _Int(self.m, fn(self.value, o.value if isinstance(o, _Int) else self.m.c(o)))
+
+    def __and__(self, o): return self._op(self.m.arith.andi, o)   # noqa: E704
+    def __xor__(self, o): return self._op(self.m.arith.xori, o)   # noqa: E704
+    def __rshift__(self, o): return self._op(self.m.arith.shrui, o)   # noqa: E704
+    def __mul__(self, o): return self._op(self.m.arith.muli, o)   # noqa: E704
+    def __add__(self, o): return self._op(self.m.arith.addi, o)   # noqa: E704
+    def __floordiv__(self, o): return self._op(self.m.arith.divui, o)   # noqa: E704
+    def __mod__(self, o): return self._op(self.m.arith.remui, o)   # noqa: E704
+    __radd__ = __add__
+
+
 def _cp_async_rows(rows_smem, kv_gmem, tile_smem, *, n_rows: int):
     """The producer's copies of one block (GPU): the 64 listed rows (``rows_smem``: int32 [64],
     -1 = no entry: row 0) of ``kv_gmem`` (bf16 [N, 512]) into ``tile_smem`` (bf16 [64, 512],
     the swizzled operand tile), by ``cp.async`` of 16 bytes; then one commit group. Thread t of
     the warp group copies 16-byte column ``t % 64`` of rows ``2 i + t // 64``, i = 0..31, so a
     warp reads 512 contiguous bytes of a row per copy instruction."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, nvvm
-    from jax.experimental.mosaic.gpu import utils as mu
+    from jax._src.lib.mlir.dialects import nvvm
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(TILED)))
     def copies(ctx, rows_ref, kv_ref, tile_ref):
         del ctx
-        i32, i64, index = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
-                           ir.IndexType.get())
-        c = lambda v, t=i32: arith.constant(t, v)   # noqa: E731
-        tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
-        lane = arith.remui(tid, c(128))
-        col = arith.andi(lane, c(COLS_PER_ROW - 1))          # 16-byte column of the row
-        half = arith.divui(lane, c(COLS_PER_ROW))            # which of the pass's rows
-        kv_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                     mu.memref_ptr(kv_ref))
-        tile_base = mu.memref_ptr(tile_ref)
-        col_bytes = arith.muli(col, c(COPY_BYTES))
-        i8 = ir.IntegerType.get_signless(8)
-
-        class _I:   # i32 MLIR values with the integer operators tile_byte_offset uses
-            def __init__(self, v):
-                self.value = v
-
-            def _op(self, fn, o):
-                return _I(fn(self.value, o.value if isinstance(o, _I) else c(o)))
-            __and__ = lambda self, o: self._op(arith.andi, o)   # noqa: E731
-            __xor__ = lambda self, o: self._op(arith.xori, o)   # noqa: E731
-            __rshift__ = lambda self, o: self._op(arith.shrui, o)   # noqa: E731
-            __mul__ = lambda self, o: self._op(arith.muli, o)   # noqa: E731
-            __add__ = lambda self, o: self._op(arith.addi, o)   # noqa: E731
-            __floordiv__ = lambda self, o: self._op(arith.divui, o)   # noqa: E731
-            __mod__ = lambda self, o: self._op(arith.remui, o)   # noqa: E731
-            __radd__ = __add__
-
+        m = _Mlir()
+        a = m.arith
+        col = a.andi(m.lane, m.c(COLS_PER_ROW - 1))          # 16-byte column of the row
+        half = a.divui(m.lane, m.c(COLS_PER_ROW))            # which of the pass's rows
+        kv_base, tile_base = m.gmem(kv_ref), m.mu.memref_ptr(tile_ref)
+        col_bytes = a.extsi(m.i64, a.muli(col, m.c(COPY_BYTES)))
         for i in range(BN // ROWS_PER_PASS):
-            r = arith.addi(half, c(ROWS_PER_PASS * i))
-            row = memref.load(rows_ref, [arith.index_cast(index, r)])
-            row = arith.minsi(arith.maxsi(row, c(0)), c(n_rows - 1))
-            src_off = arith.addi(arith.muli(arith.extsi(i64, row), c(ROW_BYTES, i64)),
-                                 arith.extsi(i64, col_bytes))
-            dst_off = tile_byte_offset(_I(r), _I(col)).value
-            src = llvm.getelementptr(kv_base.type, kv_base, [src_off], [-2**31], i8, 0)
-            dst = llvm.getelementptr(tile_base.type, tile_base, [dst_off], [-2**31], i8, 0)
+            r = a.addi(half, m.c(ROWS_PER_PASS * i))
+            row = a.minsi(a.maxsi(m.load_i32(rows_ref, r), m.c(0)), m.c(n_rows - 1))
+            src = m.at(kv_base, a.addi(m.wide(row, ROW_BYTES), col_bytes))
+            dst = m.at(tile_base, tile_byte_offset(m.int(r), m.int(col)).value)
             nvvm.cp_async_shared_global(dst, src, COPY_BYTES, nvvm.LoadCacheModifierKind.CG)
         nvvm.cp_async_commit_group()
 
     copies(rows_smem, kv_gmem, tile_smem)
+
+
+# The packed producer's PTX. A global 16-byte load (read-only path) and a 16-byte shared store.
+_LD_V4 = "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];"
+_LD_U8 = "ld.global.nc.u8 $0, [$1];"
+_ST_V4 = "st.shared.v4.b32 [$0], {$1, $2, $3, $4};"
+# An E4M3 scale byte -> the bf16 bits of its value (exact: the hardware's e4m3 -> f16, then
+# f16 -> f32 -> bf16, both exact for every e4m3 value; the state never holds the NaN code).
+_E4M3_TO_BF16 = """{
+.reg .b16 h, lo, hi;
+.reg .b32 f;
+.reg .f32 x;
+cvt.u16.u32 h, $1;
+cvt.rn.f16x2.e4m3x2 f, h;
+mov.b32 {lo, hi}, f;
+cvt.f32.f16 x, lo;
+cvt.rn.bf16.f32 lo, x;
+cvt.u32.u16 $0, lo;
+}"""
+PASS_ROWS = 4   # rows whose packed words one producer thread holds at a time (loads in flight)
+
+
+def _decode_rows(rows_smem, wkv, wsc, mkv, msc, tile_smem, *, n_win: int, n_main: int):
+    """The packed producer's block (GPU): the 64 listed rows of the joint list ``rows_smem``
+    (int32 [64]: window row e < ``n_win``, main-KV entry ``e - n_win`` otherwise, -1 = no
+    entry: window row 0) decoded from the state's storage into ``tile_smem`` (bf16 [64, 512],
+    the swizzled operand tile): window rows ``wkv`` (uint8 [Nw, 512] e4m3 codes) with ``wsc``
+    (uint8 [Nw, 16] E8M0 scales), main KV ``mkv`` (uint8 [T, 256], two e2m1 codes per byte,
+    channel 2j in the low nibble) with ``msc`` (uint8 [T, 32] E4M3 scales).
+
+    Thread t decodes the 32 channels ``32 (t % 16) ..`` of rows ``t // 16 + 8 i`` (i = 0..7, in
+    two passes of :data:`PASS_ROWS` rows whose loads are issued first, so they are in flight
+    together): one 16-byte load of e2m1 codes and two scale bytes (a main entry), or two
+    16-byte loads of e4m3 codes and one scale byte (a window row), chosen per row without a
+    branch; the decode is the Triton kernel's PTX (:func:`.triton.decode_ptx`: two codes per
+    template, exact) on each word and the word shifted by one code, so each template gives
+    two adjacent channels; four 16-byte shared stores at the swizzled chunks."""
+    from jax._src.lib.mlir.dialects import scf
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (plgpu.RefType(TILED),))
+    def decode(ctx, rows_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, tile_ref):
+        del ctx
+        m = _Mlir()
+        a, ptx, i32 = m.arith, m.mu.inline_ptx, m.i32
+        unit = a.andi(m.lane, m.c(15))                      # 32-channel unit of the row
+        first = a.shrui(m.lane, m.c(4))                     # first row (of 8 rows apart)
+        wk, ws, mk, ms = (m.gmem(r) for r in (wkv_ref, wsc_ref, mkv_ref, msc_ref))
+        tile_base = m.mu.memref_ptr(tile_ref)
+        i64 = lambda x: a.extsi(m.i64, x)                   # noqa: E731
+
+        def pair(fmt, word, nxt, sc):
+            return ptx(tk.decode_ptx(fmt, 0, 0), word, nxt, sc, sc, result_types=i32)
+
+        for p in range(BN // 8 // PASS_ROWS):
+            held = []
+            for i in range(PASS_ROWS):
+                r = a.addi(first, m.c(8 * (p * PASS_ROWS + i)))
+                e = a.maxsi(m.load_i32(rows_ref, r), m.c(0))
+                win = a.cmpi(a.CmpIPredicate.slt, e, m.c(n_win))
+                wrow = a.minsi(e, m.c(n_win - 1))
+                mrow = a.minsi(a.maxsi(a.subi(e, m.c(n_win)), m.c(0)), m.c(n_main - 1))
+                w_codes = m.at(wk, a.addi(m.wide(wrow, 512), i64(a.muli(unit, m.c(32)))))
+                m_codes = m.at(mk, a.addi(m.wide(mrow, 256), i64(a.muli(unit, m.c(16)))))
+                w_sc = m.at(ws, a.addi(m.wide(wrow, 16), i64(unit)))
+                m_sc = m.at(ms, a.addi(m.wide(mrow, 32), i64(a.muli(unit, m.c(2)))))
+                lo = a.select(win, w_codes, m_codes)
+                hi = a.select(win, m.at(w_codes, m.c(16)), m_codes)
+                words = [*ptx(_LD_V4, lo, result_types=[i32] * 4),
+                         *ptx(_LD_V4, hi, result_types=[i32] * 4)]
+                sc0 = ptx(_LD_U8, a.select(win, w_sc, m_sc), result_types=i32)
+                sc1 = ptx(_LD_U8, a.select(win, w_sc, m.at(m_sc, m.c(1))), result_types=i32)
+                held.append((r, win, words, sc0, sc1))
+            for r, win, words, sc0, sc1 in held:
+                branch = scf.IfOp(win, [i32] * 16, has_else=True)
+                with m.ir.InsertionPoint(branch.then_block):   # e4m3: 4 codes per word
+                    sc = a.shli(sc0, m.c(7))                       # E8M0 -> bf16 bits
+                    out = []
+                    for w in words:
+                        nxt = a.shrui(w, m.c(8))
+                        out += [pair("e4m3", w, nxt, sc),
+                                pair("e4m3", a.shrui(w, m.c(16)), a.shrui(w, m.c(24)), sc)]
+                    scf.YieldOp(out)
+                with m.ir.InsertionPoint(branch.else_block):   # e2m1: 8 codes per word
+                    scs = [ptx(_E4M3_TO_BF16, x, result_types=i32) for x in (sc0, sc1)]
+                    out = []
+                    for j, w in enumerate(words[:4]):
+                        for k in range(4):
+                            byte = a.shrui(w, m.c(8 * k))
+                            out.append(pair("e2m1", byte, a.shrui(byte, m.c(4)), scs[j // 2]))
+                    scf.YieldOp(out)
+                vals = list(branch.results)
+                for c in range(4):
+                    chunk = a.addi(a.muli(unit, m.c(4)), m.c(c))
+                    dst = m.at(tile_base, tile_byte_offset(m.int(r), m.int(chunk)).value)
+                    ptx(_ST_V4, dst, *vals[4 * c:4 * c + 4], has_side_effects=True)
+
+    decode(rows_smem, wkv, wsc, mkv, msc, tile_smem)
 
 
 def _cp_async_wait(n: int):
@@ -165,10 +307,13 @@ def _cp_async_wait(n: int):
     wait()
 
 
-def _kernel(q_ref, rows_ref, kv_ref, sink_ref, o_ref, lse_ref,
-            q_smem, tiles, p_smem, rows_smem, mx_smem, l_smem, sink_smem, lse_smem,
-            in_bar, full, free, xchg, *staging,
-            S, n_blocks, n_rows, scale, interpret, softmax):
+def _kernel(q_ref, rows_ref, *refs, S, n_blocks, n_rows, scale, interpret, softmax, packed):
+    """Refs: q, the row list, the rows (bf16 ``kv``; with ``packed`` the window codes and
+    scales and the main-KV codes and scales), sink, then o, lse, then the scratch."""
+    n_data = 4 if packed else 1
+    data, (sink_ref, o_ref, lse_ref) = refs[:n_data], refs[n_data:n_data + 3]
+    (q_smem, tiles, p_smem, rows_smem, mx_smem, l_smem, sink_smem, lse_smem,
+     in_bar, full, free, xchg, *staging) = refs[n_data + 3:]
     rid = lax.axis_index("row")
     b = rid // S
     wg = lax.axis_index("wg")
@@ -192,12 +337,19 @@ def _kernel(q_ref, rows_ref, kv_ref, sink_ref, o_ref, lse_ref,
     @pl.when(wg == 2)
     def _producer():
         if not interpret:
-            plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+            plgpu.set_max_registers(PACKED_PRODUCER_REGS if packed else PRODUCER_REGS,
+                                    action="decrease")
 
         def issue(j):
             slot = j % 2
-            if interpret:   # TMA per row into a plain staging buffer, then into the tile
+            block_rows = rows_smem.at[pl.ds(j * BN, BN)]
+            if packed:   # decoded in the producer's registers: the tile is written on return
+                n_win, n_main = n_rows
+                _decode_rows(block_rows, *(d.at[b] for d in data), tiles.at[slot],
+                             n_win=n_win, n_main=n_main)
+            elif interpret:   # TMA per row into a plain staging buffer, then into the tile
                 (stage, stage_bar), = staging
+                (kv_ref,) = data
 
                 def body(r, carry):
                     row = jnp.clip(rows_smem[j * BN + r], 0, n_rows - 1)
@@ -209,32 +361,48 @@ def _kernel(q_ref, rows_ref, kv_ref, sink_ref, o_ref, lse_ref,
                 tiles.at[slot][...] = stage[...]
                 plgpu.commit_smem()   # the staging is read before the next block's copies
             else:
-                _cp_async_rows(rows_smem.at[pl.ds(j * BN, BN)], kv_ref.at[b], tiles.at[slot],
-                               n_rows=n_rows)
+                _cp_async_rows(block_rows, data[0].at[b], tiles.at[slot], n_rows=n_rows)
 
         def publish(j, pending: int):
-            if not interpret:
+            if not interpret and not packed:
                 _cp_async_wait(pending)
             plgpu.commit_smem()          # generic-proxy writes -> visible to wgmma
             plgpu.barrier_arrive(full.at[j % 2])
 
-        # block j is published as soon as its copies land (it does not wait for block j - 1
-        # to be consumed); block j + 2's copies go out once block j has freed its tile
-        issue(0)
-        if n_blocks > 1:
-            issue(1)
-        publish(0, 1 if n_blocks > 1 else 0)
+        if packed:
+            # block j + 1 is decoded while block j is consumed, into the tile block j - 1
+            # has freed
+            issue(0)
+            publish(0, 0)
 
-        def step(j, carry):   # block j published, block j + 1 (if any) in flight
-            @pl.when(j + 1 < n_blocks)
-            def _():
-                publish(j + 1, 0)
+            def step(j, carry):
+                @pl.when(j + 1 < n_blocks)
+                def _():
+                    @pl.when(j >= 1)
+                    def _():
+                        plgpu.barrier_wait(free.at[(j + 1) % 2])
+                    issue(j + 1)
+                    publish(j + 1, 0)
+                return carry
+        else:
+            # block j is published as soon as its copies land (it does not wait for block
+            # j - 1 to be consumed); block j + 2's copies go out once block j has freed its
+            # tile
+            issue(0)
+            if n_blocks > 1:
+                issue(1)
+            publish(0, 1 if n_blocks > 1 else 0)
 
-            @pl.when(j + 2 < n_blocks)
-            def _():
-                plgpu.barrier_wait(free.at[j % 2])
-                issue(j + 2)
-            return carry
+            def step(j, carry):   # block j published, block j + 1 (if any) in flight
+                @pl.when(j + 1 < n_blocks)
+                def _():
+                    publish(j + 1, 0)
+
+                @pl.when(j + 2 < n_blocks)
+                def _():
+                    plgpu.barrier_wait(free.at[j % 2])
+                    issue(j + 2)
+                return carry
         lax.fori_loop(0, n_blocks, step, 0)
         for j in range(max(n_blocks - 2, 0), n_blocks):   # observe every phase of the
             plgpu.barrier_wait(free.at[j % 2])              # free barriers (last blocks)
@@ -243,7 +411,8 @@ def _kernel(q_ref, rows_ref, kv_ref, sink_ref, o_ref, lse_ref,
     @pl.when(wg < 2)
     def _consumer():
         if not interpret:
-            plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+            plgpu.set_max_registers(PACKED_CONSUMER_REGS if packed else CONSUMER_REGS,
+                                    action="increase")
 
         def sync():
             plgpu.barrier_arrive(xchg)
@@ -386,13 +555,64 @@ def sparse_attention_rows(q: Float[Array, "B S 64 512"], kv: Float[Array, "B N 5
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "softmax"))
 def _rows_call(q, kv, rows, sink, *, scale, interpret, softmax):
+    B, S, H, _ = q.shape
+    L = rows.shape[-1]
+    if L == 0:
+        return jnp.zeros(q.shape, BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H))
+    N = kv.shape[1]
+    rows = jnp.where(rows >= 0, jnp.minimum(rows, N - 1), -1)
+    return _call(q, rows, (kv,), sink, n_rows=N, scale=scale, interpret=interpret,
+                 softmax=softmax, packed=False)
+
+
+def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
+                            win_idx: Int[Array, "B S Ww"], main, main_scale,
+                            topk: Int[Array, "B S k"] | None, sink: Float[Array, "64"],
+                            scale: float, *, softmax: str = "exp2"
+                            ) -> tuple[Float[Array, "B S 64 512"], Float[Array, "B S 64"]]:
+    """:func:`pallas_kernels.sparse_attention.sparse_attention` over the state's packed rows
+    (FP8 window rows + E8M0 scales, packed FP4 main KV + E4M3 scales), the producer warp group
+    decoding each listed row into the operand tile (:func:`_decode_rows`; GPU only: PTX).
+
+    Args and results as that op (``win_kv`` float8_e4m3fn [B, Nw, 512], ``win_scale`` uint8
+    [B, Nw, 16], ``main`` uint8 [B, T, 256], ``main_scale`` float8_e4m3fn [B, T, 32]; ``topk``
+    None for a SWA-only layer); 64 heads x 512, at most ``MAX_LIST`` entries in the joint list
+    (window + top-k, padded to 64).
+
+    Raises:
+      ValueError: other shapes, a joint list over ``MAX_LIST``, an unknown ``softmax``.
+    """
+    from pallas_kernels.sparse_attention import triton_dense as td
+    tk.exp_of(softmax)
+    B, S, H, K = q.shape
+    if topk is None:
+        main = main_scale = None
+    win_kv, win_scale, main, main_scale = tk.nonempty_rows(win_kv, win_scale, main, main_scale)
+    if main is None:   # a dummy main KV that no entry selects
+        main = jnp.zeros((B, 1, K // 2), jnp.uint8)
+        main_scale = jnp.zeros((B, 1, K // 16), jnp.float8_e4m3fn)
+    n_win, n_main = win_kv.shape[1], main.shape[1]
+    rows = td.joint_list(win_idx, topk, n_win, n_main)
+    _check(q, jnp.zeros((B, 1, K), BF16), rows, sink)   # (shapes only: traced away)
+    u8 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.uint8)
+    return _packed_call(q, rows, (u8(win_kv), u8(win_scale), u8(main), u8(main_scale)), sink,
+                        n_rows=(n_win, n_main), scale=float(scale), softmax=softmax)
+
+
+@functools.partial(jax.jit, static_argnames=("n_rows", "scale", "softmax"))
+def _packed_call(q, rows, data, sink, *, n_rows, scale, softmax):
+    B, S, H, _ = q.shape
+    if rows.shape[-1] == 0:
+        return jnp.zeros(q.shape, BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H))
+    return _call(q, rows, data, sink, n_rows=n_rows, scale=scale, interpret=False,
+                 softmax=softmax, packed=True)
+
+
+def _call(q, rows, data, sink, *, n_rows, scale, interpret, softmax, packed):
+    """The kernel over ``rows`` (int32 [B, S, L], clamped, -1 = no entry) of ``data``."""
     B, S, H, K = q.shape
     L = rows.shape[-1]
-    sink = sink.astype(F32)
-    if L == 0:
-        return jnp.zeros(q.shape, BF16), jnp.broadcast_to(sink, (B, S, H))
-    R, N = B * S, kv.shape[1]
-    rows = jnp.where(rows >= 0, jnp.minimum(rows, N - 1), -1).reshape(R, L)
+    R = B * S
     tiled = TILED
     scratch = [
         plgpu.SMEM((H, K), BF16, transforms=tiled),              # q, then the output
@@ -410,8 +630,8 @@ def _rows_call(q, kv, rows, sink, *, scale, interpret, softmax):
     ]
     if interpret:
         scratch.append((plgpu.SMEM((BN, K), BF16), plgpu.Barrier(num_arrivals=BN)))
-    kernel = functools.partial(_kernel, S=S, n_blocks=L // BN, n_rows=N, scale=scale,
-                               interpret=interpret, softmax=softmax)
+    kernel = functools.partial(_kernel, S=S, n_blocks=L // BN, n_rows=n_rows, scale=scale,
+                               interpret=interpret, softmax=softmax, packed=packed)
     o, lse = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((R, H, K), BF16), jax.ShapeDtypeStruct((R, H), F32)),
@@ -420,8 +640,9 @@ def _rows_call(q, kv, rows, sink, *, scale, interpret, softmax):
         grid_names=("row",),
         num_threads=3,
         thread_name="wg",
-        kernel_name="csa2_sparse_attention_rows_mgpu",
+        kernel_name="csa2_sparse_attention_packed_mgpu" if packed else
+        "csa2_sparse_attention_rows_mgpu",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q.reshape(R, H, K), rows, kv, sink)
+    )(q.reshape(R, H, K), rows.reshape(R, L), *data, sink.astype(F32))
     return o.reshape(B, S, H, K), lse.reshape(B, S, H)

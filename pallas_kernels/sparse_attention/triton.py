@@ -570,10 +570,17 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
     measured 15-75% slower in session 8), no row prefetch, 8 warps, no software pipelining;
     the softmax's exponentials as ``exp2(x log2 e)`` and the splits merged by
     :func:`merge_splits` (session 7, together: 6% faster at B=256 and prefill, 0.5-4 us
-    faster at B=1-64)."""
+    faster at B=1-64). ``kernel``: ``"mosaic_gpu"`` (the warp-specialised kernel with the
+    decoding producer, :func:`.mosaic_gpu_rows.sparse_attention_packed`: 142.8 against 158.6
+    us at B=256, session 12) for 64 heads x 512 without list splits (128 programs or more),
+    lists of at most ``MAX_LIST`` entries, on Hopper (or without a GPU); ``"triton"``
+    otherwise (B <= 64: its list splits win)."""
+    from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
     block_h = min(heads, 64)
     programs = rows * (heads // block_h)
     n_splits = list_splits(programs, n_blocks)
+    mgpu = ((heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED) and n_splits == 1
+            and n_blocks * SOFTMAX_BLOCK <= mr.MAX_LIST and mr.on_hopper_or_unknown())
     if programs < 128:
         while (block_h > 32 and heads % (block_h // 2) == 0
                and 2 * programs * n_splits <= 132):
@@ -581,7 +588,7 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
             programs *= 2
     return {"block_h": block_h, "n_splits": n_splits, "num_warps": 8, "num_stages": 1,
             "n_chunks": max(1, min(8, head_dim // 64)), "dequant": "asm", "prefetch": "none",
-            "softmax": "exp2", "merge": "triton"}
+            "softmax": "exp2", "merge": "triton", "kernel": "mosaic_gpu" if mgpu else "triton"}
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "n_splits",
@@ -615,10 +622,14 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     4096 queries takes 1.43 instead of 2.23 ms), ``"packed"`` otherwise (decode). ``kernel``
     (``kv="dense"`` only): the rows' kernel, ``"triton"`` or ``"mosaic_gpu"`` (the
     warp-specialised :mod:`.mosaic_gpu_rows`; its own rule in
-    :func:`.triton_dense.default_tuning`: prefill at the release's 64 heads x 512).
+    :func:`.triton_dense.default_tuning`: prefill at the release's 64 heads x 512); with
+    ``kv="packed"``, ``kernel="mosaic_gpu"`` runs that kernel with a producer that decodes the
+    packed rows (:func:`.mosaic_gpu_rows.sparse_attention_packed`; GPU only, ``softmax`` its
+    only tuning).
 
     Raises ``ValueError`` for a tuning outside those limits (``dequant`` / ``prefetch`` with
-    ``kv="dense"`` and ``kernel`` with ``kv="packed"`` included) or, for the packed kernel, a head dim that is not a power of two
+    ``kv="dense"``, and Triton tunings or interpret mode with ``kv="packed",
+    kernel="mosaic_gpu"`` included) or, for the packed kernel, a head dim that is not a power of two
     >= 64.
     """
     B, S, H, K = q.shape
@@ -635,8 +646,27 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     n_kv_rows = win_kv.shape[1] + (0 if topk is None else main.shape[1])
     if kv is None:
         kv = "dense" if triton_dense.worth_it(B * S, n_list, B * n_kv_rows) else "packed"
-    if kv == "packed" and kernel is not None:
-        raise ValueError("kernel picks the dequantised rows' kernel: only with kv='dense'")
+    if kv == "packed" and kernel not in (None, "triton"):
+        if kernel != "mosaic_gpu":
+            raise ValueError(f"kernel must be 'triton' or 'mosaic_gpu', got {kernel!r}")
+        given = [k for k, v in dict(tuning, block_h=block_h, n_splits=n_splits).items()
+                 if v is not None and k != "softmax"]
+        if given or interpret:
+            raise ValueError(f"kv='packed', kernel='mosaic_gpu' (the warp-specialised kernel "
+                             f"decoding in its producer: PTX, GPU only) takes softmax only, "
+                             f"got {sorted(given)}" + (" in interpret mode" if interpret else ""))
+        from pallas_kernels.sparse_attention import mosaic_gpu_rows
+        return mosaic_gpu_rows.sparse_attention_packed(
+            q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
+            softmax=softmax or "exp2")
+    triton_tuned = any(v is not None for v in (block_h, n_splits, num_warps, num_stages,
+                                               n_chunks, dequant, prefetch, merge))
+    if kv == "packed" and kernel is None and not interpret and not triton_tuned and (
+            default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK), K)["kernel"] == "mosaic_gpu"):
+        from pallas_kernels.sparse_attention import mosaic_gpu_rows
+        return mosaic_gpu_rows.sparse_attention_packed(
+            q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
+            softmax=softmax or "exp2")
     if kv == "dense":
         if dequant is not None or prefetch is not None:
             raise ValueError("dequant / prefetch tune the packed rows' decode: not with "
