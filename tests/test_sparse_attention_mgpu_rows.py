@@ -222,6 +222,16 @@ def test_packed_kernel_lowers_for_cuda(ww, k, swa_only):
     assert "csa2_sparse_attention_packed_mgpu" in text
 
 
+def test_packed_kernel_rejects_long_lists():
+    args = list(make_inputs(B=1, S=2, H=H, K=K, Nw=70, T=150, Ww=8, k=8))
+    args[6] = jnp.zeros((1, 2, mr.MAX_LIST), jnp.int32)
+    with pytest.raises(ValueError, match="win_idx \\+ topk"):
+        mr.sparse_attention_packed(*args, SCALE)
+    args[6] = jnp.zeros((1, 2, 8), jnp.int32)
+    with pytest.raises(ValueError, match="H == 64"):
+        mr.sparse_attention_packed(args[0][:, :, :32], *args[1:7], args[7][:32], SCALE)
+
+
 def test_packed_rule():
     """``triton.default_tuning`` picks the decoding Mosaic GPU kernel for 64 x 512 heads with
     128 programs or more (B=256 decode, the CED replay), Triton's packed kernel below (list
@@ -229,4 +239,6 @@ def test_packed_rule():
     assert tk.default_tuning(256, 64, 10, 512)["kernel"] == "mosaic_gpu"
     assert tk.default_tuning(128, 64, 10, 512)["kernel"] == "mosaic_gpu"
     assert tk.default_tuning(64, 64, 10, 512)["kernel"] == "triton"
+    assert tk.default_tuning(1, 64, 1, 512)["kernel"] == "triton"        # one block, one CTA
+    assert td.default_tuning(1, 64, 1, 512)["kernel"] == "triton"
     assert tk.default_tuning(256, 16, 10, 128)["kernel"] == "triton"

@@ -228,11 +228,16 @@ def _decode_rows(rows_smem, wkv, wsc, mkv, msc, tile_smem, *, n_win: int, n_main
 
     Thread t decodes the 32 channels ``32 (t % 16) ..`` of rows ``t // 16 + 8 i`` (i = 0..7, in
     two passes of :data:`PASS_ROWS` rows whose loads are issued first, so they are in flight
-    together): one 16-byte load of e2m1 codes and two scale bytes (a main entry), or two
-    16-byte loads of e4m3 codes and one scale byte (a window row), chosen per row without a
-    branch; the decode is the Triton kernel's PTX (:func:`.triton.decode_ptx`: two codes per
-    template, exact) on each word and the word shifted by one code, so each template gives
-    two adjacent channels; four 16-byte shared stores at the swizzled chunks."""
+    together). Every row issues two 16-byte loads and two scale-byte loads, their addresses
+    chosen per row by ``select``: a window row's 32 bytes of e4m3 codes and its E8M0 byte
+    (twice), a main entry's 16 bytes of e2m1 codes (twice: the second load is not used) and its
+    two E4M3 bytes; then one branch per row (``scf.if``) decodes by the row's kind with the
+    Triton kernel's PTX (:func:`.triton.decode_ptx`: two codes per template, exact) on each
+    word and the word shifted by one code, so each template gives two adjacent channels; four
+    16-byte shared stores at the swizzled chunks. (A main row's second load and a window row's
+    second scale load are wasted: the producer is the packed kernel's bottleneck, a lead.)
+    The E8M0 byte 0 decodes to 0, not 2^-127 (as the Triton kernel; the quantisers never
+    write it)."""
     from jax._src.lib.mlir.dialects import scf
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (plgpu.RefType(TILED),))
@@ -541,10 +546,13 @@ def sparse_attention_rows(q: Float[Array, "B S 64 512"], kv: Float[Array, "B N 5
       :func:`pallas_kernels.sparse_attention.sparse_attention`.
 
     Raises:
-      ValueError: shapes or dtypes other than the above, an unknown ``softmax``.
+      ValueError: shapes or dtypes other than the above, an unknown ``softmax``, a GPU that is
+        not Hopper (outside interpret mode).
     """
     _check(q, kv, rows, sink)
     tk.exp_of(softmax)   # ValueError for an unknown name
+    if not interpret and not on_hopper_or_unknown():
+        raise ValueError("the Mosaic GPU kernels need a Hopper GPU (sm_90: wgmma, setmaxnreg)")
     call = functools.partial(_rows_call, scale=float(scale), interpret=interpret,
                              softmax=softmax)
     if interpret:   # eager: see mosaic_gpu.sparse_attention (interpreter callbacks on 2 cores)
@@ -580,10 +588,15 @@ def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
     (window + top-k, padded to 64).
 
     Raises:
-      ValueError: other shapes, a joint list over ``MAX_LIST``, an unknown ``softmax``.
+      ValueError: other shapes or dtypes, a joint list over ``MAX_LIST``, an unknown
+        ``softmax``, a GPU that is not Hopper.
     """
     from pallas_kernels.sparse_attention import triton_dense as td
+    from pallas_kernels.sparse_attention.mosaic_gpu import _check_supported
     tk.exp_of(softmax)
+    _check_supported(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink)
+    if not on_hopper_or_unknown():
+        raise ValueError("the Mosaic GPU kernels need a Hopper GPU (sm_90: wgmma, setmaxnreg)")
     B, S, H, K = q.shape
     if topk is None:
         main = main_scale = None
@@ -591,6 +604,10 @@ def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
     if main is None:   # a dummy main KV that no entry selects
         main = jnp.zeros((B, 1, K // 2), jnp.uint8)
         main_scale = jnp.zeros((B, 1, K // 16), jnp.float8_e4m3fn)
+    n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
+    if -(-n_list // BN) * BN > MAX_LIST:
+        raise ValueError(f"win_idx + topk: {n_list} entries (padded to {BN}) exceed the "
+                         f"{MAX_LIST} the kernel's shared memory holds")
     n_win, n_main = win_kv.shape[1], main.shape[1]
     rows = td.joint_list(win_idx, topk, n_win, n_main)
     _check(q, jnp.zeros((B, 1, K), BF16), rows, sink)   # (shapes only: traced away)

@@ -579,7 +579,7 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
     block_h = min(heads, 64)
     programs = rows * (heads // block_h)
     n_splits = list_splits(programs, n_blocks)
-    mgpu = ((heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED) and n_splits == 1
+    mgpu = ((heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED) and programs >= 128
             and n_blocks * SOFTMAX_BLOCK <= mr.MAX_LIST and mr.on_hopper_or_unknown())
     if programs < 128:
         while (block_h > 32 and heads % (block_h // 2) == 0

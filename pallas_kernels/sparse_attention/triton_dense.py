@@ -60,12 +60,13 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
 
     ``kernel``: ``"mosaic_gpu"`` (:mod:`.mosaic_gpu_rows`, the warp-specialised kernel: 1.01
     against 1.43 ms for the H200's prefill row, session 12) where it applies: 64 heads x 512,
-    at most ``MAX_LIST`` entries, no list splits (128 programs or more, or a single block)
-    and a Hopper GPU (or no GPU: CPU lowering, tests); ``"triton"`` otherwise."""
+    at most ``MAX_LIST`` entries, 128 programs or more (one per query fills the GPU: no list
+    splits) and a Hopper GPU (or no GPU: CPU lowering, tests); ``"triton"`` otherwise."""
     from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
     block_h = min(heads, 64)
     n_splits = tk.list_splits(rows * (heads // block_h), n_blocks)
-    mgpu = (heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED) and n_splits == 1 and (
+    mgpu = (heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED) and (
+        rows * (heads // block_h) >= 128) and (
         n_blocks * SOFTMAX_BLOCK <= mr.MAX_LIST) and mr.on_hopper_or_unknown()
     return {"block_h": block_h, "n_splits": n_splits, "num_warps": 8, "num_stages": 2,
             "n_chunks": 1, "softmax": "exp2", "merge": "triton",
