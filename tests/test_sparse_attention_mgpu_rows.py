@@ -16,14 +16,10 @@ from pallas_kernels.sparse_attention import triton as tk
 from pallas_kernels.sparse_attention import triton_dense as td
 from pallas_kernels.sparse_attention.reference import sparse_attention_xla
 from test_sparse_attention import make_inputs
+from test_sparse_attention_mgpu import _compare, _reset_interpreter
 
 H, K = 64, 512
 SCALE = K ** -0.5
-
-
-def _reset_interpreter():
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-    interpret_pallas_call.reset_gpu_interpret_mode_state()
 
 
 def _rows_and_list(args, topk_none=False):
@@ -48,16 +44,6 @@ def _run(args, topk_none=False, **kw):
     o0, l0 = sparse_attention_xla(*ref, SCALE)
     return (np.asarray(o1, np.float32), np.asarray(l1), np.asarray(o0, np.float32),
             np.asarray(l0))
-
-
-def _compare(o1, l1, o0, l0):
-    assert not np.isnan(o1).any()
-    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
-    # fp32 summation order (the two halves' denominators, the wgmma sums) may move a bf16(P)
-    # rounding: <= 1 ulp of the output plus 2^-8 of the rows' size; nearly all bitwise equal
-    tol = 2 * np.abs(o0) * 2.0 ** -8 + 2.0 ** -8 * 6.0
-    assert (np.abs(o0 - o1) <= tol).all()
-    assert (o0 == o1).mean() > 0.99
 
 
 CASES = {

@@ -78,7 +78,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.sparse_attention.reference import SOFTMAX_BLOCK, pad_list
+from pallas_kernels.sparse_attention.reference import SOFTMAX_BLOCK, lse_with_sink, pad_list
 from pallas_kernels.sparse_attention.triton import e2m1_over_16384, e4m3_over_256
 
 F32 = jnp.float32
@@ -142,6 +142,61 @@ def _e8m0_value(byte):
 
 # ---- the kernel ------------------------------------------------------------------------------
 
+# ---- the parts every per-query-row kernel here shares ---------------------------------------
+
+def load_row_inputs(bar, rid, q_ref, q_smem, rows_ref, rows_smem, n_list: int, *pairs):
+    """TMA copies of query row ``rid``'s inputs onto ``bar`` (one arrival each): q, its row list
+    (in boxes of at most ``LIST_CHUNK`` entries) and the ``(src, dst)`` ``pairs`` (sink, ...).
+    Call from one warp group; ``bar`` expects ``1 + ceil(n_list / LIST_CHUNK) + len(pairs)``
+    arrivals."""
+    plgpu.copy_gmem_to_smem(q_ref.at[rid], q_smem, bar)
+    for c in range(0, n_list, LIST_CHUNK):    # TMA boxes: <= 256 elements per dimension
+        n = min(LIST_CHUNK, n_list - c)
+        plgpu.copy_gmem_to_smem(rows_ref.at[rid, pl.ds(c, n)], rows_smem.at[pl.ds(c, n)], bar)
+    for src, dst in pairs:
+        plgpu.copy_gmem_to_smem(src, dst, bar)
+
+
+def store_row_outputs(stage, o_ref, lse_smem, lse_ref, rid, wg, cols, o, lse):
+    """Query row ``rid``'s results, each warp group ``wg`` its output channels ``cols``: ``o``
+    (bf16 [64, |cols|], WGMMA layout) through the free tiled buffer ``stage`` (TMA needs a
+    contiguous source: one 8-row tile row per copy), ``lse`` (fp32 [64]) through ``lse_smem``
+    by warp group 0; waits for the copies."""
+    stage.at[:, cols][...] = o
+
+    @pl.when(wg == 0)
+    def _():
+        lse_smem[...] = lse
+    plgpu.commit_smem()
+    for t in range(H_SUPPORTED // 8):
+        plgpu.copy_smem_to_gmem(stage.at[pl.ds(8 * t, 8), cols],
+                                o_ref.at[rid, pl.ds(8 * t, 8), cols])
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rid])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def row_kernel(kernel, scratch, R: int, *, num_threads: int, name: str, interpret: bool):
+    """``plgpu.kernel`` of a kernel with one CTA per query row (``R`` rows, grid axis "row"),
+    ``num_threads`` warp groups (axis "wg"), Lane semantics, returning o bf16 [R, 64, 512] and
+    lse fp32 [R, 64]."""
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((R, H_SUPPORTED, K_SUPPORTED), BF16),
+                  jax.ShapeDtypeStruct((R, H_SUPPORTED), F32)),
+        scratch_types=scratch,
+        grid=(R,),
+        grid_names=("row",),
+        num_threads=num_threads,
+        thread_name="wg",
+        kernel_name=name,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+
+
 def _kernel(q_ref, rows_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, e_ref,
             sink_ref, o_ref, lse_ref,
             q_smem, tile, wst, mst, sst, rows_smem, e_smem,
@@ -160,15 +215,8 @@ def _kernel(q_ref, rows_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, e_ref,
         return "win" if j < n_wfull else ("mixed" if j < main_start else "main")
 
     # ---- the per-row inputs: q, the row list (clamped; -1 = no entry), E, sink ----
-    @pl.when(wg == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[rid], q_smem, in_bar)
-        for c in range(0, n_list, LIST_CHUNK):    # TMA boxes: <= 256 elements per dimension
-            n = min(LIST_CHUNK, n_list - c)
-            plgpu.copy_gmem_to_smem(rows_ref.at[rid, pl.ds(c, n)], rows_smem.at[pl.ds(c, n)],
-                                    in_bar)
-        plgpu.copy_gmem_to_smem(e_ref, e_smem, in_bar)
-        plgpu.copy_gmem_to_smem(sink_ref, sink_smem, in_bar)
+    pl.when(wg == 0)(lambda: load_row_inputs(in_bar, rid, q_ref, q_smem, rows_ref, rows_smem,
+                                             n_list, (e_ref, e_smem), (sink_ref, sink_smem)))
     plgpu.barrier_wait(in_bar)
 
     def issue(j, kind: str):
@@ -321,22 +369,8 @@ def _kernel(q_ref, rows_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, e_ref,
     sink = plgpu.load(sink_smem, layout=row_layout)
     den = l_i + jnp.exp(sink - m_i)
     o = acc / lax.broadcast_in_dim(den, acc.shape, [0])
-    tile.at[:, pl.ds(wg * HALF, HALF)][...] = o.astype(BF16)
-    top = jnp.maximum(m_i, sink)
-    lse = top + jnp.log(l_i * jnp.exp(m_i - top) + jnp.exp(sink - top))
-
-    @pl.when(wg == 0)
-    def _():
-        lse_smem[...] = lse
-    plgpu.commit_smem()
-    for t in range(H_SUPPORTED // 8):   # TMA needs contiguous SMEM: one 8-row tile row each
-        plgpu.copy_smem_to_gmem(tile.at[pl.ds(8 * t, 8), pl.ds(wg * HALF, HALF)],
-                                o_ref.at[rid, pl.ds(8 * t, 8), pl.ds(wg * HALF, HALF)])
-
-    @pl.when(wg == 0)
-    def _():
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rid])
-    plgpu.wait_smem_to_gmem(0)
+    store_row_outputs(tile, o_ref, lse_smem, lse_ref, rid, wg, pl.ds(wg * HALF, HALF),
+                      o.astype(BF16), lse_with_sink(m_i, l_i, sink))
 
 
 def _flat_scales(sc, front: int = 0):
@@ -484,17 +518,7 @@ def _sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sin
         scratch.append(plgpu.SMEM((2, BN, BN), BF16, transforms=tiled))
     kernel = functools.partial(_kernel, S=S, n_win=n_win, n_blocks=n_blocks, scale=float(scale),
                                pv_in_place=not interpret)
-    o, lse = plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((R, H, K), BF16), jax.ShapeDtypeStruct((R, H), F32)),
-        scratch_types=scratch,
-        grid=(R,),
-        grid_names=("row",),
-        num_threads=2,
-        thread_name="wg",
-        kernel_name="csa2_sparse_attention_mgpu",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(qp, rows, wkv16, wsc_flat, main, msc_flat, e, sink)
+    o, lse = row_kernel(kernel, scratch, R, num_threads=2, name="csa2_sparse_attention_mgpu",
+                        interpret=interpret)(qp, rows, wkv16, wsc_flat, main, msc_flat, e, sink)
     o = unpermute_channels(o).reshape(B, S, H, K)
     return o, lse.reshape(B, S, H)

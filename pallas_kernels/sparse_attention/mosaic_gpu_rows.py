@@ -65,19 +65,15 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.sparse_attention import mosaic_gpu as mg
 from pallas_kernels.sparse_attention import triton as tk
+from pallas_kernels.sparse_attention.mosaic_gpu import (BF16, F32, H_SUPPORTED, I32,
+                                                        K_SUPPORTED, LIST_CHUNK, NEG_START)
 from pallas_kernels.sparse_attention.reference import SOFTMAX_BLOCK, lse_with_sink
 
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-I32 = jnp.int32
-NEG_START = -1e30     # the reference kernel's initial running max
-H_SUPPORTED = 64
-K_SUPPORTED = 512
 BN = SOFTMAX_BLOCK    # 64 list entries per block
 HALF_N = BN // 2      # entries of a block per consumer's score half
 HALF_K = K_SUPPORTED // 2   # output channels per consumer
-LIST_CHUNK = 256      # list entries per TMA copy (a box holds <= 256 per dimension)
 MAX_LIST = 3072       # padded list entries whose row list fits the shared memory (lowering: 3136 is 48 bytes over)
 ROW_BYTES = K_SUPPORTED * 2
 COPY_BYTES = 16       # one cp.async
@@ -328,14 +324,8 @@ def _kernel(q_ref, rows_ref, *refs, S, n_blocks, n_rows, scale, interpret, softm
     exp = tk.exp_of(softmax)
 
     # ---- per-row inputs: q (consumers), the row list, the sink ----
-    @pl.when(wg == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[rid], q_smem, in_bar)
-        for c0 in range(0, L, LIST_CHUNK):
-            n = min(LIST_CHUNK, L - c0)
-            plgpu.copy_gmem_to_smem(rows_ref.at[rid, pl.ds(c0, n)], rows_smem.at[pl.ds(c0, n)],
-                                    in_bar)
-        plgpu.copy_gmem_to_smem(sink_ref, sink_smem, in_bar)
+    pl.when(wg == 0)(lambda: mg.load_row_inputs(in_bar, rid, q_ref, q_smem, rows_ref, rows_smem,
+                                                L, (sink_ref, sink_smem)))
     plgpu.barrier_wait(in_bar)
 
     # ---- the producer ----
@@ -477,21 +467,9 @@ def _kernel(q_ref, rows_ref, *refs, S, n_blocks, n_rows, scale, interpret, softm
         sink = plgpu.load(sink_smem, layout=row_layout)
         den = l_tot + exp(sink - m_i)
         o = acc / lax.broadcast_in_dim(den, acc.shape, [0])
-        q_smem.at[:, pl.ds(wg * HALF_K, HALF_K)][...] = o.astype(BF16)
-        lse = lse_with_sink(m_i, l_tot, sink)
-
-        @pl.when(wg == 0)
-        def _():
-            lse_smem[...] = lse
-        plgpu.commit_smem()
-        for t in range(H_SUPPORTED // 8):   # contiguous TMA sources: one 8-row tile row each
-            plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(8 * t, 8), pl.ds(wg * HALF_K, HALF_K)],
-                                    o_ref.at[rid, pl.ds(8 * t, 8), pl.ds(wg * HALF_K, HALF_K)])
-
-        @pl.when(wg == 0)
-        def _():
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rid])
-        plgpu.wait_smem_to_gmem(0)
+        mg.store_row_outputs(q_smem, o_ref, lse_smem, lse_ref, rid, wg,
+                             pl.ds(wg * HALF_K, HALF_K), o.astype(BF16),
+                             lse_with_sink(m_i, l_tot, sink))
 
 
 def on_hopper_or_unknown() -> bool:
@@ -592,9 +570,8 @@ def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
         ``softmax``, a GPU that is not Hopper.
     """
     from pallas_kernels.sparse_attention import triton_dense as td
-    from pallas_kernels.sparse_attention.mosaic_gpu import _check_supported
     tk.exp_of(softmax)
-    _check_supported(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink)
+    mg._check_supported(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink)
     if not on_hopper_or_unknown():
         raise ValueError("the Mosaic GPU kernels need a Hopper GPU (sm_90: wgmma, setmaxnreg)")
     B, S, H, K = q.shape
@@ -649,17 +626,7 @@ def _call(q, rows, data, sink, *, n_rows, scale, interpret, softmax, packed):
         scratch.append((plgpu.SMEM((BN, K), BF16), plgpu.Barrier(num_arrivals=BN)))
     kernel = functools.partial(_kernel, S=S, n_blocks=L // BN, n_rows=n_rows, scale=scale,
                                interpret=interpret, softmax=softmax, packed=packed)
-    o, lse = plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((R, H, K), BF16), jax.ShapeDtypeStruct((R, H), F32)),
-        scratch_types=scratch,
-        grid=(R,),
-        grid_names=("row",),
-        num_threads=3,
-        thread_name="wg",
-        kernel_name="csa2_sparse_attention_packed_mgpu" if packed else
-        "csa2_sparse_attention_rows_mgpu",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q.reshape(R, H, K), rows.reshape(R, L), *data, sink.astype(F32))
+    name = "csa2_sparse_attention_packed_mgpu" if packed else "csa2_sparse_attention_rows_mgpu"
+    o, lse = mg.row_kernel(kernel, scratch, R, num_threads=3, name=name, interpret=interpret)(
+        q.reshape(R, H, K), rows.reshape(R, L), *data, sink.astype(F32))
     return o.reshape(B, S, H, K), lse.reshape(B, S, H)
