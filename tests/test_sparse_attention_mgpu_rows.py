@@ -134,6 +134,8 @@ def test_rule_and_dispatch():
     np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
     with pytest.raises(ValueError, match="GPU only"):
         tk.sparse_attention(*args, SCALE, interpret=True, kv="packed", kernel="mosaic_gpu")
+    with pytest.raises(ValueError, match="softmax only"):
+        tk.sparse_attention(*args, SCALE, kv="packed", kernel="mosaic_gpu", n_chunks=2)
     with pytest.raises(ValueError, match="not with kernel='mosaic_gpu'"):
         tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="mosaic_gpu",
                             n_splits=2)

@@ -651,10 +651,13 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
             raise ValueError(f"kernel must be 'triton' or 'mosaic_gpu', got {kernel!r}")
         given = [k for k, v in dict(tuning, block_h=block_h, n_splits=n_splits).items()
                  if v is not None and k != "softmax"]
-        if given or interpret:
-            raise ValueError(f"kv='packed', kernel='mosaic_gpu' (the warp-specialised kernel "
-                             f"decoding in its producer: PTX, GPU only) takes softmax only, "
-                             f"got {sorted(given)}" + (" in interpret mode" if interpret else ""))
+        if interpret:
+            raise ValueError("kv='packed', kernel='mosaic_gpu' (the warp-specialised kernel "
+                             "decoding in its producer: PTX) runs on the GPU only, not in "
+                             "interpret mode")
+        if given:
+            raise ValueError(f"kv='packed', kernel='mosaic_gpu' takes softmax only, got "
+                             f"{sorted(given)}")
         from pallas_kernels.sparse_attention import mosaic_gpu_rows
         return mosaic_gpu_rows.sparse_attention_packed(
             q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
