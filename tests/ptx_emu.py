@@ -144,8 +144,13 @@ def run_ptx(asm: str, regs: dict) -> dict:
         elif op in ("and.b32", "or.b32", "xor.b32"):
             a, b = val(src[0]), val(src[1])
             regs[dst] = {"and.b32": a & b, "or.b32": a | b, "xor.b32": a ^ b}[op]
+        elif op == "mov.b32" and dst.startswith("{"):   # unpack: {lo, hi} = the halves
+            lo, hi = (t.strip() for t in dst.strip("{}").split(","))
+            regs[lo], regs[hi] = _halves(val(src[0]))
         elif op == "mov.b32":
             regs[dst] = np.asarray(val(src[0]), U32)
+        elif op == "cvt.rn.bf16.f32":                    # round to nearest even
+            regs[dst] = bf16_bits(f32(val(src[0])))
         elif op == "lop3.b32":
             regs[dst] = _lop3(val(src[0]), val(src[1]), val(src[2]), int(src[3], 16))
         elif (m := re.fullmatch(r"set\.(gt|ge|lt|le|eq)\.u32\.bf16x2", op)):

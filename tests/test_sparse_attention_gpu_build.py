@@ -30,8 +30,10 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
 
 
 @pytest.mark.parametrize("rows, tune, kernels", [
-    # default: 64 heads, 10 list splits, PTX decode, merged by the split merge kernel
-    ("decode B=8", {}, ["csa2_sparse_attention", "csa2_merge_splits"]),
+    # default: the Mosaic GPU kernel with its decoding producer, 10 list splits (session 13),
+    # merged by the split merge kernel; Triton's: 64 heads, 10 splits, PTX decode
+    ("decode B=8", {}, ["mosaic_gpu:packed", "csa2_merge_splits"]),
+    ("decode B=8", {"kernel": "triton"}, ["csa2_sparse_attention", "csa2_merge_splits"]),
     ("decode B=8", {"dequant": "jnp", "softmax": "exp", "merge": "xla"},
      ["csa2_sparse_attention"]),
     # prefill: the rows are listed ~100 times each, so the default decodes them once and runs
@@ -47,7 +49,10 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
     # decoding producer (session 12); Triton's packed kernel on request or with its tunings
     ("prefill 256", {"kv": "packed"}, ["mosaic_gpu:packed"]),
     ("prefill 256", {"kv": "packed", "kernel": "triton"}, ["csa2_sparse_attention"]),
-    ("decode B=4 S=3", {"kv": "packed", "kernel": "mosaic_gpu"}, ["mosaic_gpu:packed"]),
+    ("decode B=4 S=3", {"kv": "packed", "kernel": "mosaic_gpu"},
+     ["mosaic_gpu:packed", "csa2_merge_splits"]),
+    ("decode B=4 S=3", {"kv": "packed", "kernel": "mosaic_gpu", "n_splits": 1},
+     ["mosaic_gpu:packed"]),
     ("prefill 256", {"kv": "packed", "n_chunks": 2, "prefetch": "late"},
      ["csa2_sparse_attention"]),
     ("prefill 256", {"kv": "packed", "n_chunks": 1, "prefetch": "index", "num_stages": 2},

@@ -73,6 +73,22 @@ def test_rows_kernel_swa_only_clamped_and_exp():
     _compare(*_run(tuple(args), topk_none=True, softmax="exp"))
 
 
+@pytest.mark.parametrize("kw, n_splits", [
+    (dict(Ww=20, k=150), 2),     # 3 blocks: splits of 2 and 1 (the last padded with -1)
+    (dict(Ww=20, k=70), 4),      # cut to one split per block
+])
+def test_rows_kernel_list_splits(kw, n_splits):
+    """List splits: one CTA per (query row, split) writes its fp32 partial state straight
+    from registers, merged by ``triton.merge_splits``; the query without entries stays 0."""
+    assert mr.balanced_splits(2, 3) == 2 and mr.balanced_splits(4, 10) == 4
+    assert mr.balanced_splits(3, 10) == 3 and mr.balanced_splits(7, 10) == 5
+    args = make_inputs(B=1, S=2, H=H, K=K, Nw=70, T=150, seed=1, **kw)
+    o1, l1, o0, l0 = _run(args, n_splits=n_splits)
+    assert (o1[0, 1] == 0).all()
+    np.testing.assert_allclose(l1[0, 1], np.asarray(args[-1]), rtol=1e-6)
+    _compare(o1, l1, o0, l0, bitwise_frac=0.8)    # (a different summation order)
+
+
 def test_rows_kernel_rejects_bad_input():
     args = make_inputs(B=1, S=2, H=H, K=K, Nw=70, T=150, Ww=8, k=8)
     kv, rows = _rows_and_list(args)
@@ -106,16 +122,30 @@ def test_tile_byte_offset_is_mosaic_swizzle():
     assert len(np.unique(got)) == 64 * 64 and got.max() < 64 * 1024 and (got % 16 == 0).all()
 
 
-@pytest.mark.parametrize("L", [128, 640, mr.MAX_LIST])
-def test_rows_kernel_lowers_for_cuda(L):
+@pytest.mark.parametrize("L, n_splits", [(128, 1), (640, 1), (mr.MAX_LIST, 1), (640, 10),
+                                         (mr.MAX_LIST, 3)])
+def test_rows_kernel_lowers_for_cuda(L, n_splits):
     """The GPU build (the cp.async producer, wgmma operands from shared memory, in-place PV
     accumulation, 3 warp groups) goes through Mosaic GPU's lowering and shared-memory budget:
     the release list (640) and the longest that fits."""
     structs = [jax.ShapeDtypeStruct((2, 3, H, K), jnp.bfloat16),
                jax.ShapeDtypeStruct((2, 1000, K), jnp.bfloat16),
                jax.ShapeDtypeStruct((2, 3, L), jnp.int32), jax.ShapeDtypeStruct((H,), jnp.float32)]
-    f = jax.jit(lambda *a: mr.sparse_attention_rows(*a, SCALE))
-    assert "mosaic_gpu" in jax.export.export(f, platforms=["cuda"])(*structs).mlir_module()
+    f = jax.jit(lambda *a: mr.sparse_attention_rows(*a, SCALE, n_splits=n_splits))
+    text = _export_h200(f, structs).mlir_module()
+    assert "mosaic_gpu" in text
+    assert ("csa2_merge_splits" in text) == (n_splits > 1)
+
+
+def _export_h200(f, structs):
+    """``jax.export`` of ``f`` for an H200 on CPU (the split merge is a Triton kernel: an H200
+    target and its custom call allowed)."""
+    from unittest import mock
+    from jax._src.pallas.triton import gpu_info
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
+        return jax.export.export(f, platforms=["cuda"], disabled_checks=skip)(*structs)
 
 
 def test_rule_and_dispatch():
@@ -134,11 +164,13 @@ def test_rule_and_dispatch():
     np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
     with pytest.raises(ValueError, match="GPU only"):
         tk.sparse_attention(*args, SCALE, interpret=True, kv="packed", kernel="mosaic_gpu")
-    with pytest.raises(ValueError, match="softmax only"):
+    with pytest.raises(ValueError, match="softmax and n_splits only"):
         tk.sparse_attention(*args, SCALE, kv="packed", kernel="mosaic_gpu", n_chunks=2)
     with pytest.raises(ValueError, match="not with kernel='mosaic_gpu'"):
         tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="mosaic_gpu",
-                            n_splits=2)
+                            num_stages=2)
+    with pytest.raises(ValueError, match="n_splits must be"):
+        mr.sparse_attention_rows(args[0], kv, rows, args[-1], SCALE, interpret=True, n_splits=0)
     with pytest.raises(ValueError, match="kernel must be"):
         tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="cuda")
 
@@ -191,23 +223,52 @@ def test_packed_producer_pairs_are_channel_order():
         assert got == tuple(float(v) * 8.0 for v in vals)
 
 
-@pytest.mark.parametrize("ww, k, swa_only", [(128, 512, False), (20, 70, False), (128, 0, True)])
-def test_packed_kernel_lowers_for_cuda(ww, k, swa_only):
-    """The decoding producer's GPU build (its PTX loads, decode and swizzled stores, the window /
-    main choice per row) goes through Mosaic GPU's lowering: the release decode list, a mixed
-    block and a SWA-only layer. (ptxas runs on the GPU only: the H200 check covers it.)"""
+@pytest.mark.parametrize("ww, k, swa_only, n_splits", [
+    (128, 512, False, 1), (128, 512, False, 10), (128, 512, False, 3), (20, 70, False, 1),
+    (20, 70, False, 2), (128, 0, True, 1)])
+def test_packed_kernel_lowers_for_cuda(ww, k, swa_only, n_splits):
+    """The decoding producer's GPU build (its PTX loads, L2 prefetches, decode and swizzled
+    stores per kind of block, the window / main choice per row of a mixed block) goes through
+    Mosaic GPU's lowering: the release decode list (read as two lists, block by block, also
+    with splits; 3 splits do not divide its 10 blocks: the joint list), a mixed block and a
+    SWA-only layer. (ptxas runs on the GPU only: the H200 check covers it.)"""
     B, S, Nw, T = 2, 3, 129, 1000
     structs = [jax.ShapeDtypeStruct(sh, d) for sh, d in [
-        ((B, S, H, K), jnp.bfloat16), ((B, Nw, K), jnp.float8_e4m3fn), ((B, Nw, K // 32), jnp.uint8),
+        ((B, S, H, K), jnp.bfloat16), ((B, Nw, K), jnp.float8_e4m3fn),
+        ((B, Nw, K // 32), jnp.uint8),
         ((B, S, ww), jnp.int32), ((B, T, K // 2), jnp.uint8), ((B, T, K // 16), jnp.float8_e4m3fn),
         ((B, S, max(k, 1)), jnp.int32), ((H,), jnp.float32)]]
     if swa_only:
         f = lambda q, a, b, c, m, ms, t, s: mr.sparse_attention_packed(  # noqa: E731
-            q, a, b, c, None, None, None, s, SCALE)
+            q, a, b, c, None, None, None, s, SCALE, n_splits=n_splits)
     else:
-        f = lambda *a: mr.sparse_attention_packed(*a, SCALE)  # noqa: E731
-    text = jax.export.export(jax.jit(f), platforms=["cuda"])(*structs).mlir_module()
+        f = lambda *a: mr.sparse_attention_packed(*a, SCALE, n_splits=n_splits)  # noqa: E731
+    text = _export_h200(jax.jit(f), structs).mlir_module()
     assert "csa2_sparse_attention_packed_mgpu" in text
+    assert ("csa2_merge_splits" in text) == (n_splits > 1)
+    assert ("concatenate" in text) == (ww % 64 != 0 or n_splits == 3)   # the joint list
+
+
+def test_block_kinds():
+    """The producer's kind of each block of the joint list, by position."""
+    assert [mr.block_kind(j, 128) for j in range(4)] == ["window", "window", "main", "main"]
+    assert [mr.block_kind(j, 20) for j in range(3)] == ["mixed", "main", "main"]
+    assert [mr.block_kind(j, 100) for j in range(3)] == ["window", "mixed", "main"]
+
+
+def test_packed_producer_scales_e4m3x2():
+    """The main-KV scale pair (two E4M3 bytes read as one 16-bit word) -> two bf16 values,
+    exactly, for every pair of byte values but the NaN code."""
+    import ml_dtypes
+    import ptx_emu
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint32)
+    lo, hi = np.meshgrid(codes, codes)
+    lo, hi = lo.ravel(), hi.ravel()
+    asm = mr._E4M3X2_TO_BF16.replace("$0", "o0").replace("$1", "o1").replace("$2", "w")
+    r = ptx_emu.run_ptx(asm, {"w": lo | hi << 8, "o0": 0, "o1": 0})
+    for out, c in ((r["o0"], lo), (r["o1"], hi)):
+        want = c.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        np.testing.assert_array_equal(ptx_emu.bf16_values(out), want)
 
 
 def test_packed_kernel_rejects_long_lists():
@@ -221,12 +282,14 @@ def test_packed_kernel_rejects_long_lists():
 
 
 def test_packed_rule():
-    """``triton.default_tuning`` picks the decoding Mosaic GPU kernel for 64 x 512 heads with
-    128 programs or more (B=256 decode, the CED replay), Triton's packed kernel below (list
-    splits) and for other heads."""
-    assert tk.default_tuning(256, 64, 10, 512)["kernel"] == "mosaic_gpu"
-    assert tk.default_tuning(128, 64, 10, 512)["kernel"] == "mosaic_gpu"
-    assert tk.default_tuning(64, 64, 10, 512)["kernel"] == "triton"
+    """``triton.default_tuning`` picks the decoding Mosaic GPU kernel for 64 x 512 heads from
+    8 query rows on (with list splits below 128: one block each at B=8, two halves at B=64),
+    Triton's packed kernel for B=1 and for other heads."""
+    for rows, n_splits in ((256, 1), (128, 1), (64, 2), (8, 10), (12, 10)):
+        tune = tk.default_tuning(rows, 64, 10, 512)
+        assert (tune["kernel"], tune["n_splits"], tune["block_h"]) == (
+            "mosaic_gpu", n_splits, 64)
+    assert tk.default_tuning(1, 64, 10, 512)["kernel"] == "triton"
     assert tk.default_tuning(1, 64, 1, 512)["kernel"] == "triton"        # one block, one CTA
     assert td.default_tuning(1, 64, 1, 512)["kernel"] == "triton"
     assert tk.default_tuning(256, 16, 10, 128)["kernel"] == "triton"

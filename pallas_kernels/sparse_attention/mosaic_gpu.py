@@ -144,12 +144,13 @@ def _e8m0_value(byte):
 
 # ---- the parts every per-query-row kernel here shares ---------------------------------------
 
-def load_row_inputs(bar, rid, q_ref, q_smem, rows_ref, rows_smem, n_list: int, *pairs):
-    """TMA copies of query row ``rid``'s inputs onto ``bar`` (one arrival each): q, its row list
-    (in boxes of at most ``LIST_CHUNK`` entries) and the ``(src, dst)`` ``pairs`` (sink, ...).
-    Call from one warp group; ``bar`` expects ``1 + ceil(n_list / LIST_CHUNK) + len(pairs)``
-    arrivals."""
-    plgpu.copy_gmem_to_smem(q_ref.at[rid], q_smem, bar)
+def load_row_inputs(bar, rid, q_ref, q_smem, rows_ref, rows_smem, n_list: int, *pairs,
+                    qid=None):
+    """TMA copies of row list ``rid``'s inputs onto ``bar`` (one arrival each): q (of query row
+    ``qid``, default ``rid``), the row list (in boxes of at most ``LIST_CHUNK`` entries) and the
+    ``(src, dst)`` ``pairs`` (sink, ...). Call from one warp group; ``bar`` expects ``1 +
+    ceil(n_list / LIST_CHUNK) + len(pairs)`` arrivals."""
+    plgpu.copy_gmem_to_smem(q_ref.at[rid if qid is None else qid], q_smem, bar)
     for c in range(0, n_list, LIST_CHUNK):    # TMA boxes: <= 256 elements per dimension
         n = min(LIST_CHUNK, n_list - c)
         plgpu.copy_gmem_to_smem(rows_ref.at[rid, pl.ds(c, n)], rows_smem.at[pl.ds(c, n)], bar)
@@ -178,14 +179,19 @@ def store_row_outputs(stage, o_ref, lse_smem, lse_ref, rid, wg, cols, o, lse):
     plgpu.wait_smem_to_gmem(0)
 
 
-def row_kernel(kernel, scratch, R: int, *, num_threads: int, name: str, interpret: bool):
-    """``plgpu.kernel`` of a kernel with one CTA per query row (``R`` rows, grid axis "row"),
+def row_kernel(kernel, scratch, R: int, *, num_threads: int, name: str, interpret: bool,
+               partial: bool = False):
+    """``plgpu.kernel`` of a kernel with one CTA per row list (``R`` of them, grid axis "row"),
     ``num_threads`` warp groups (axis "wg"), Lane semantics, returning o bf16 [R, 64, 512] and
-    lse fp32 [R, 64]."""
+    lse fp32 [R, 64]; with ``partial`` (list splits: a list per split) each list's partial
+    softmax state for :func:`.triton.merge_splits`: acc fp32 [R, 64, 512], m and l fp32
+    [R, 64]."""
+    o_dtype = F32 if partial else BF16
+    out_type = (jax.ShapeDtypeStruct((R, H_SUPPORTED, K_SUPPORTED), o_dtype),
+                *[jax.ShapeDtypeStruct((R, H_SUPPORTED), F32)] * (2 if partial else 1))
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((R, H_SUPPORTED, K_SUPPORTED), BF16),
-                  jax.ShapeDtypeStruct((R, H_SUPPORTED), F32)),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(R,),
         grid_names=("row",),

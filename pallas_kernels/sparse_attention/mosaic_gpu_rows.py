@@ -7,7 +7,7 @@ warp groups (``num_threads=3``, ``thread_name="wg"``):
 
 * **warp group 2, the producer** (40 registers per thread): gathers each 64-entry block's
   listed bf16 rows (1 KiB each) with ``cp.async`` (16 bytes per copy, 32 per thread and block,
-  each thread one 16-byte column of 32 rows), straight into the swizzled ``[64, 512]`` operand
+  the 8 threads of a quarter warp the same chunk of 8 rows: :func:`_lanes`), straight into the swizzled ``[64, 512]`` operand
   tile the tensor cores read: the 64-byte swizzle of Mosaic GPU's (8 rows x 64 bytes) tiling
   (:data:`TILED`, :func:`tile_byte_offset`) is computed per copy, so no relayout pass and no bf16 copy in HBM.
   Two tiles: block ``j + 1``'s copies are in flight while block ``j`` is consumed.
@@ -32,19 +32,25 @@ list ``4 L`` bytes, maxima / sums / sink / lse, barriers and Mosaic GPU's own sc
 lowering's budget check passes up to ``L = MAX_LIST = 3072`` entries (3136 is 48 bytes over
 the 227 KiB); the release lists 640.
 
-On the H200 (docs/benchmarks.md, session 12): the prefill row (4096 queries x 640 entries,
-rows dequantised by XLA first) in 1.01 ms, 339-341 TFLOP/s (the Triton rows' kernel: 1.43
-ms); the outputs 99.97% bitwise equal to the XLA path, all within the check's tolerance.
-Over bf16 rows at decode shapes (one CTA per query, no list splits) the kernel alone takes
-80 us at batch 256 (214 TFLOP/s) and 33 us at batch 8; decode keeps the packed kernel, since
-decoding every row once costs more than the attention there.
+On the H200 (docs/benchmarks.md, sessions 12-13): the prefill row (4096 queries x 640
+entries, rows dequantised by XLA first) in 0.94 ms, 366 TFLOP/s (the Triton rows' kernel:
+1.42 ms); the outputs 99.97% bitwise equal to the XLA path, all within the check's tolerance.
+Decode runs over the packed rows (below): decoding every row once costs more than the
+attention there.
 
-**Packed rows** (:func:`sparse_attention_packed`, the default for packed rows with 128
-programs or more): the producer reads the state's FP8 window rows and packed FP4 main KV
-itself and decodes them into the tile (:func:`_decode_rows`: 16-byte loads, the Triton
-kernel's PTX decode, swizzled 16-byte shared stores; 72 registers, the consumers 216). H200:
-142.8 us at B=256 (150.4 TFLOP/s; Triton's packed kernel 158.6), 99.98% bitwise equal to XLA
-at B=8; the producer is its bottleneck (7.3 us per block and SM against 4.1 over bf16 rows).
+**Packed rows** (:func:`sparse_attention_packed`, the default for packed rows of 8 query
+rows or more): the producer reads the state's FP8 window rows and packed FP4 main KV itself
+and decodes them into the tile (:func:`_decode_rows`: one code path per kind of block,
+16-byte loads, the Triton kernel's PTX decode, bank-conflict-free swizzled 16-byte shared
+stores, the next block's rows prefetched into L2; 72 registers, the consumers 216). At the
+release's whole-block lists (128 + 512) the kernel copies the window and top-k lists itself,
+block by block (no joint list is built). H200 (session 13, device time): B=256 84.0 us
+(255.6 TFLOP/s; Triton's packed kernel 157.5), B=64 33.5 us with 2 list splits (5.05x XLA),
+B=8 15.0 us with 10.
+
+**List splits** (``n_splits``, flash-decoding): one CTA per (query row, split), each split
+a contiguous run of blocks; its fp32 partial state (``acc`` straight from the registers, the
+maxima and denominators through shared memory) is merged by :func:`.triton.merge_splits`.
 
 Interpret mode (CPU, tests) cannot run the producer's ``cp.async`` (``plgpu.inline_mgpu``):
 there the producer copies each listed row by TMA into a plain staging buffer and moves it
@@ -78,7 +84,6 @@ MAX_LIST = 3072       # padded list entries whose row list fits the shared memor
 ROW_BYTES = K_SUPPORTED * 2
 COPY_BYTES = 16       # one cp.async
 COLS_PER_ROW = ROW_BYTES // COPY_BYTES            # 64 copies per row
-ROWS_PER_PASS = 128 // COLS_PER_ROW               # rows one pass of the producer covers (2)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 # the packed producer holds PASS_ROWS rows' words and decodes them: more registers, and the
 # consumers give them up. The three warp groups share what the launch allocates, 168 per
@@ -166,12 +171,26 @@ class _Int:
     __radd__ = __add__
 
 
+def _lanes(m):
+    """The producers' thread mapping: ``(first, unit)`` of thread ``t`` of the warp group,
+    ``first = t % 8`` (the row of each 8-row group: the tile row) and ``unit = 4 (t // 32) +
+    (t // 8) % 4`` (0..15). The 8 threads of a quarter warp (one shared-memory wavefront of
+    16-byte stores) then hold the 8 rows of one tile at the same 16-byte chunk, which the
+    swizzle spreads over the 8 distinct 16-byte bank groups: no bank conflict (the same unit
+    of 8 rows apart would put all 8 in one bank group, 8 column tiles = 4 KiB apart)."""
+    a = m.arith
+    first = a.andi(m.lane, m.c(7))
+    unit = a.ori(a.shli(a.shrui(m.lane, m.c(5)), m.c(2)), a.andi(a.shrui(m.lane, m.c(3)), m.c(3)))
+    return first, unit
+
+
 def _cp_async_rows(rows_smem, kv_gmem, tile_smem, *, n_rows: int):
     """The producer's copies of one block (GPU): the 64 listed rows (``rows_smem``: int32 [64],
     -1 = no entry: row 0) of ``kv_gmem`` (bf16 [N, 512]) into ``tile_smem`` (bf16 [64, 512],
-    the swizzled operand tile), by ``cp.async`` of 16 bytes; then one commit group. Thread t of
-    the warp group copies 16-byte column ``t % 64`` of rows ``2 i + t // 64``, i = 0..31, so a
-    warp reads 512 contiguous bytes of a row per copy instruction."""
+    the swizzled operand tile), by ``cp.async`` of 16 bytes; then one commit group. Thread t
+    (:func:`_lanes`) copies the 16-byte columns ``unit + 16 c`` (c = 0..3) of rows ``first +
+    8 g`` (g = 0..7): a warp reads 64 contiguous bytes of 8 rows per copy instruction, and
+    each quarter warp writes 8 distinct bank groups."""
     from jax._src.lib.mlir.dialects import nvvm
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(TILED)))
@@ -179,61 +198,91 @@ def _cp_async_rows(rows_smem, kv_gmem, tile_smem, *, n_rows: int):
         del ctx
         m = _Mlir()
         a = m.arith
-        col = a.andi(m.lane, m.c(COLS_PER_ROW - 1))          # 16-byte column of the row
-        half = a.divui(m.lane, m.c(COLS_PER_ROW))            # which of the pass's rows
+        first, unit = _lanes(m)
         kv_base, tile_base = m.gmem(kv_ref), m.mu.memref_ptr(tile_ref)
-        col_bytes = a.extsi(m.i64, a.muli(col, m.c(COPY_BYTES)))
-        for i in range(BN // ROWS_PER_PASS):
-            r = a.addi(half, m.c(ROWS_PER_PASS * i))
+        for g in range(BN // 8):
+            r = a.addi(first, m.c(8 * g))
             row = a.minsi(a.maxsi(m.load_i32(rows_ref, r), m.c(0)), m.c(n_rows - 1))
-            src = m.at(kv_base, a.addi(m.wide(row, ROW_BYTES), col_bytes))
-            dst = m.at(tile_base, tile_byte_offset(m.int(r), m.int(col)).value)
-            nvvm.cp_async_shared_global(dst, src, COPY_BYTES, nvvm.LoadCacheModifierKind.CG)
+            row_base = m.at(kv_base, m.wide(row, ROW_BYTES))
+            for c in range(COLS_PER_ROW // 16):
+                col = a.addi(unit, m.c(16 * c))
+                src = m.at(row_base, a.extsi(m.i64, a.muli(col, m.c(COPY_BYTES))))
+                dst = m.at(tile_base, tile_byte_offset(m.int(r), m.int(col)).value)
+                nvvm.cp_async_shared_global(dst, src, COPY_BYTES, nvvm.LoadCacheModifierKind.CG)
         nvvm.cp_async_commit_group()
 
     copies(rows_smem, kv_gmem, tile_smem)
 
 
-# The packed producer's PTX. A global 16-byte load (read-only path) and a 16-byte shared store.
+# The packed producer's PTX. Global loads (read-only path) and a 16-byte shared store.
 _LD_V4 = "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];"
 _LD_U8 = "ld.global.nc.u8 $0, [$1];"
+_LD_U16 = "ld.global.nc.u16 $0, [$1];"
 _ST_V4 = "st.shared.v4.b32 [$0], {$1, $2, $3, $4};"
-# An E4M3 scale byte -> the bf16 bits of its value (exact: the hardware's e4m3 -> f16, then
-# f16 -> f32 -> bf16, both exact for every e4m3 value; the state never holds the NaN code).
-_E4M3_TO_BF16 = """{
+_PREFETCH = "prefetch.global.L2 [$0];"
+# E4M3 scale bytes -> the bf16 bits of their values (exact: the hardware's e4m3 -> f16, then
+# f16 -> f32 -> bf16, both exact for every e4m3 value; the state never holds the NaN code):
+# the low byte of $2 -> $0, its second byte -> $1 (a main-KV row's two scales of a 32-channel
+# unit, read as one 16-bit word)
+_E4M3X2_TO_BF16 = """{
 .reg .b16 h, lo, hi;
 .reg .b32 f;
-.reg .f32 x;
-cvt.u16.u32 h, $1;
+.reg .f32 x, y;
+cvt.u16.u32 h, $2;
 cvt.rn.f16x2.e4m3x2 f, h;
 mov.b32 {lo, hi}, f;
 cvt.f32.f16 x, lo;
+cvt.f32.f16 y, hi;
 cvt.rn.bf16.f32 lo, x;
+cvt.rn.bf16.f32 hi, y;
 cvt.u32.u16 $0, lo;
+cvt.u32.u16 $1, hi;
 }"""
-PASS_ROWS = 4   # rows whose packed words one producer thread holds at a time (loads in flight)
+# rows whose packed words one producer thread holds at a time (their loads in flight together):
+# a window row is 8 words + a scale, a main-KV row 4 words + a scale word
+PASS_ROWS = {"window": 4, "main": 8, "mixed": 4}
+# the packed producer fetches the rows of the block this many blocks ahead of the one it
+# decodes into L2 (``prefetch.global.L2``), so that their loads hit L2 (H200, B=256: 84.5
+# against 92.3 us without)
+PREFETCH_AHEAD = 1
+BLOCK_KINDS = tuple(PASS_ROWS)
 
 
-def _decode_rows(rows_smem, wkv, wsc, mkv, msc, tile_smem, *, n_win: int, n_main: int):
-    """The packed producer's block (GPU): the 64 listed rows of the joint list ``rows_smem``
-    (int32 [64]: window row e < ``n_win``, main-KV entry ``e - n_win`` otherwise, -1 = no
-    entry: window row 0) decoded from the state's storage into ``tile_smem`` (bf16 [64, 512],
-    the swizzled operand tile): window rows ``wkv`` (uint8 [Nw, 512] e4m3 codes) with ``wsc``
-    (uint8 [Nw, 16] E8M0 scales), main KV ``mkv`` (uint8 [T, 256], two e2m1 codes per byte,
-    channel 2j in the low nibble) with ``msc`` (uint8 [T, 32] E4M3 scales).
+def block_kind(j: int, n_wlist: int) -> str:
+    """Which rows block ``j`` of the joint list holds (its first ``n_wlist`` entries are the
+    window list, the rest the top-k list and -1 padding): ``"window"``, ``"main"`` or
+    ``"mixed"`` (the block across the boundary; none when ``n_wlist`` is a multiple of 64,
+    as at the release's 128)."""
+    if (j + 1) * BN <= n_wlist:
+        return "window"
+    return "main" if j * BN >= n_wlist else "mixed"
 
-    Thread t decodes the 32 channels ``32 (t % 16) ..`` of rows ``t // 16 + 8 i`` (i = 0..7, in
-    two passes of :data:`PASS_ROWS` rows whose loads are issued first, so they are in flight
-    together). Every row issues two 16-byte loads and two scale-byte loads, their addresses
-    chosen per row by ``select``: a window row's 32 bytes of e4m3 codes and its E8M0 byte
-    (twice), a main entry's 16 bytes of e2m1 codes (twice: the second load is not used) and its
-    two E4M3 bytes; then one branch per row (``scf.if``) decodes by the row's kind with the
-    Triton kernel's PTX (:func:`.triton.decode_ptx`: two codes per template, exact) on each
-    word and the word shifted by one code, so each template gives two adjacent channels; four
-    16-byte shared stores at the swizzled chunks. (A main row's second load and a window row's
-    second scale load are wasted: the producer is the packed kernel's bottleneck, a lead.)
-    The E8M0 byte 0 decodes to 0, not 2^-127 (as the Triton kernel; the quantisers never
-    write it)."""
+
+def _decode_rows(rows_smem, wkv, wsc, mkv, msc, tile_smem, *, n_win: int, n_main: int,
+                 main_offset: int, kind: str, prefetch: bool = False):
+    """The packed producer's block (GPU): the 64 listed rows ``rows_smem`` (int32 [64]; -1 = no
+    entry) decoded from the state's storage into ``tile_smem`` (bf16 [64, 512], the swizzled
+    operand tile), or with ``prefetch`` only their bytes fetched into L2
+    (``prefetch.global.L2``, issued for the next block, so that its loads hit L2). Window rows
+    ``wkv`` (uint8 [Nw, 512] e4m3 codes) with ``wsc`` (uint8 [Nw, 16] E8M0 scales); main KV
+    ``mkv`` (uint8 [T, 256], two e2m1 codes per byte, channel 2j in the low nibble) with
+    ``msc`` (uint8 [T, 32] E4M3 scales): entry e of a main row is main-KV entry ``e -
+    main_offset`` (``n_win`` in the joint list, 0 in the top-k list itself); in a mixed block
+    a row is a window row if ``e < n_win``.
+
+    ``kind`` (:func:`block_kind`, static per block): a ``"window"`` block loads 32 bytes of
+    e4m3 codes and one E8M0 byte per row and thread, a ``"main"`` block 16 bytes of e2m1 codes
+    and its two E4M3 scales as one 16-bit word (converted together by ``cvt.e4m3x2``); a
+    ``"mixed"`` block loads both kinds' addresses chosen per row (``select``) and branches per
+    row (``scf.if``). -1 entries read window row 0 / main entry 0 (their scores are masked).
+
+    Thread t decodes the 32 channels ``32 unit ..`` of rows ``first + 8 i`` (:func:`_lanes`:
+    bank-conflict-free stores; i = 0..7), in passes of :data:`PASS_ROWS` rows whose loads are
+    issued first, so that they are in flight together; the Triton kernel's PTX decode
+    (:func:`.triton.decode_ptx`: two codes per template, exact) on each word and the word
+    shifted by one code gives two adjacent channels; four 16-byte shared stores at the
+    swizzled chunks. The E8M0 byte 0 decodes to 0, not 2^-127 (as the Triton kernel; the
+    quantisers never write it)."""
     from jax._src.lib.mlir.dialects import scf
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (plgpu.RefType(TILED),))
@@ -241,8 +290,7 @@ def _decode_rows(rows_smem, wkv, wsc, mkv, msc, tile_smem, *, n_win: int, n_main
         del ctx
         m = _Mlir()
         a, ptx, i32 = m.arith, m.mu.inline_ptx, m.i32
-        unit = a.andi(m.lane, m.c(15))                      # 32-channel unit of the row
-        first = a.shrui(m.lane, m.c(4))                     # first row (of 8 rows apart)
+        first, unit = _lanes(m)      # rows first + 8 i, channels 32 unit .. 32 unit + 31
         wk, ws, mk, ms = (m.gmem(r) for r in (wkv_ref, wsc_ref, mkv_ref, msc_ref))
         tile_base = m.mu.memref_ptr(tile_ref)
         i64 = lambda x: a.extsi(m.i64, x)                   # noqa: E731
@@ -250,50 +298,100 @@ def _decode_rows(rows_smem, wkv, wsc, mkv, msc, tile_smem, *, n_win: int, n_main
         def pair(fmt, word, nxt, sc):
             return ptx(tk.decode_ptx(fmt, 0, 0), word, nxt, sc, sc, result_types=i32)
 
-        for p in range(BN // 8 // PASS_ROWS):
+        def window_addrs(e):
+            wrow = a.minsi(a.maxsi(e, m.c(0)), m.c(n_win - 1))
+            return (m.at(wk, a.addi(m.wide(wrow, 512), i64(a.muli(unit, m.c(32))))),
+                    m.at(ws, a.addi(m.wide(wrow, 16), i64(unit))))
+
+        def main_addrs(e):
+            mrow = a.minsi(a.maxsi(a.subi(e, m.c(main_offset)), m.c(0)), m.c(n_main - 1))
+            return (m.at(mk, a.addi(m.wide(mrow, 256), i64(a.muli(unit, m.c(16))))),
+                    m.at(ms, a.addi(m.wide(mrow, 32), i64(a.muli(unit, m.c(2))))))
+
+        def load_window(e):
+            codes, sc = window_addrs(e)
+            return ([*ptx(_LD_V4, codes, result_types=[i32] * 4),
+                     *ptx(_LD_V4, m.at(codes, m.c(16)), result_types=[i32] * 4)],
+                    ptx(_LD_U8, sc, result_types=i32))
+
+        def load_main(e):
+            codes, sc = main_addrs(e)
+            return ptx(_LD_V4, codes, result_types=[i32] * 4), ptx(_LD_U16, sc, result_types=i32)
+
+        def decode_window(words, sc):   # e4m3: 4 codes per word
+            sc = a.shli(sc, m.c(7))                             # E8M0 -> bf16 bits
+            out = []
+            for w in words:
+                out += [pair("e4m3", w, a.shrui(w, m.c(8)), sc),
+                        pair("e4m3", a.shrui(w, m.c(16)), a.shrui(w, m.c(24)), sc)]
+            return out
+
+        def decode_main(words, scs):    # e2m1: 8 codes per word, a scale per 2 words
+            out = []
+            for j, w in enumerate(words[:4]):
+                for k in range(4):
+                    byte = a.shrui(w, m.c(8 * k))
+                    out.append(pair("e2m1", byte, a.shrui(byte, m.c(4)), scs[j // 2]))
+            return out
+
+        def load_mixed(e):
+            win = a.cmpi(a.CmpIPredicate.slt, e, m.c(n_win))
+            w_codes, w_sc = window_addrs(e)
+            m_codes, m_sc = main_addrs(e)
+            words = [*ptx(_LD_V4, a.select(win, w_codes, m_codes), result_types=[i32] * 4),
+                     *ptx(_LD_V4, a.select(win, m.at(w_codes, m.c(16)), m_codes),
+                          result_types=[i32] * 4)]
+            sc0 = ptx(_LD_U8, a.select(win, w_sc, m_sc), result_types=i32)
+            sc1 = ptx(_LD_U8, a.select(win, w_sc, m.at(m_sc, m.c(1))), result_types=i32)
+            return win, words, a.ori(sc0, a.shli(sc1, m.c(8)))   # (a window row: sc0 twice)
+
+        def decode_mixed(win, words, sc):
+            branch = scf.IfOp(win, [i32] * 16, has_else=True)
+            with m.ir.InsertionPoint(branch.then_block):
+                scf.YieldOp(decode_window(words, a.andi(sc, m.c(0xFF))))
+            with m.ir.InsertionPoint(branch.else_block):
+                scf.YieldOp(decode_main(words[:4], ptx(_E4M3X2_TO_BF16, sc,
+                                                       result_types=[i32] * 2)))
+            return list(branch.results)
+
+        if prefetch:
+            for i in range(BN // 8):
+                e = m.load_i32(rows_ref, a.addi(first, m.c(8 * i)))
+                for addr in (window_addrs if kind == "window" else main_addrs)(e):
+                    ptx(_PREFETCH, addr, has_side_effects=True)
+            return
+        n_pass = PASS_ROWS[kind]
+        for p in range(BN // 8 // n_pass):
             held = []
-            for i in range(PASS_ROWS):
-                r = a.addi(first, m.c(8 * (p * PASS_ROWS + i)))
-                e = a.maxsi(m.load_i32(rows_ref, r), m.c(0))
-                win = a.cmpi(a.CmpIPredicate.slt, e, m.c(n_win))
-                wrow = a.minsi(e, m.c(n_win - 1))
-                mrow = a.minsi(a.maxsi(a.subi(e, m.c(n_win)), m.c(0)), m.c(n_main - 1))
-                w_codes = m.at(wk, a.addi(m.wide(wrow, 512), i64(a.muli(unit, m.c(32)))))
-                m_codes = m.at(mk, a.addi(m.wide(mrow, 256), i64(a.muli(unit, m.c(16)))))
-                w_sc = m.at(ws, a.addi(m.wide(wrow, 16), i64(unit)))
-                m_sc = m.at(ms, a.addi(m.wide(mrow, 32), i64(a.muli(unit, m.c(2)))))
-                lo = a.select(win, w_codes, m_codes)
-                hi = a.select(win, m.at(w_codes, m.c(16)), m_codes)
-                words = [*ptx(_LD_V4, lo, result_types=[i32] * 4),
-                         *ptx(_LD_V4, hi, result_types=[i32] * 4)]
-                sc0 = ptx(_LD_U8, a.select(win, w_sc, m_sc), result_types=i32)
-                sc1 = ptx(_LD_U8, a.select(win, w_sc, m.at(m_sc, m.c(1))), result_types=i32)
-                held.append((r, win, words, sc0, sc1))
-            for r, win, words, sc0, sc1 in held:
-                branch = scf.IfOp(win, [i32] * 16, has_else=True)
-                with m.ir.InsertionPoint(branch.then_block):   # e4m3: 4 codes per word
-                    sc = a.shli(sc0, m.c(7))                       # E8M0 -> bf16 bits
-                    out = []
-                    for w in words:
-                        nxt = a.shrui(w, m.c(8))
-                        out += [pair("e4m3", w, nxt, sc),
-                                pair("e4m3", a.shrui(w, m.c(16)), a.shrui(w, m.c(24)), sc)]
-                    scf.YieldOp(out)
-                with m.ir.InsertionPoint(branch.else_block):   # e2m1: 8 codes per word
-                    scs = [ptx(_E4M3_TO_BF16, x, result_types=i32) for x in (sc0, sc1)]
-                    out = []
-                    for j, w in enumerate(words[:4]):
-                        for k in range(4):
-                            byte = a.shrui(w, m.c(8 * k))
-                            out.append(pair("e2m1", byte, a.shrui(byte, m.c(4)), scs[j // 2]))
-                    scf.YieldOp(out)
-                vals = list(branch.results)
+            for i in range(n_pass):
+                r = a.addi(first, m.c(8 * (p * n_pass + i)))
+                e = m.load_i32(rows_ref, r)
+                held.append((r, {"window": load_window, "main": load_main,
+                                 "mixed": load_mixed}[kind](e)))
+            for r, loaded in held:
+                if kind == "window":
+                    vals = decode_window(*loaded)
+                elif kind == "main":
+                    words, sc = loaded
+                    vals = decode_main(words, ptx(_E4M3X2_TO_BF16, sc, result_types=[i32] * 2))
+                else:
+                    vals = decode_mixed(*loaded)
                 for c in range(4):
                     chunk = a.addi(a.muli(unit, m.c(4)), m.c(c))
                     dst = m.at(tile_base, tile_byte_offset(m.int(r), m.int(chunk)).value)
                     ptx(_ST_V4, dst, *vals[4 * c:4 * c + 4], has_side_effects=True)
 
     decode(rows_smem, wkv, wsc, mkv, msc, tile_smem)
+
+
+def _is_kind(j, kind: str, n_wlist: int):
+    """Whether block ``j`` (traced) is of ``kind`` (:func:`block_kind`)."""
+    n_wfull = n_wlist // BN          # window blocks; then a mixed one if n_wlist % BN
+    if kind == "window":
+        return j < n_wfull
+    if kind == "mixed":
+        return j == n_wfull
+    return j >= n_wfull + int(n_wlist % BN != 0)
 
 
 def _cp_async_wait(n: int):
@@ -308,25 +406,52 @@ def _cp_async_wait(n: int):
     wait()
 
 
-def _kernel(q_ref, rows_ref, *refs, S, n_blocks, n_rows, scale, interpret, softmax, packed):
-    """Refs: q, the row list, the rows (bf16 ``kv``; with ``packed`` the window codes and
-    scales and the main-KV codes and scales), sink, then o, lse, then the scratch."""
-    n_data = 4 if packed else 1
-    data, (sink_ref, o_ref, lse_ref) = refs[:n_data], refs[n_data:n_data + 3]
+def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softmax, packed,
+            split_lists):
+    """Refs: q, the row lists (the joint list, one per CTA; with ``split_lists`` the window
+    list and the top-k list, one per query row), the rows (bf16 ``kv``; with ``packed`` the
+    window codes and scales and the main-KV codes and scales), sink, then the outputs (o, lse;
+    with list splits acc, m, l), then the scratch. CTA ``rid`` runs query row ``rid`` or, with
+    ``n_splits`` list splits, blocks ``n_blocks (rid % n_splits) ..`` of query row ``rid //
+    n_splits``."""
+    n_lists, n_data = (2 if split_lists else 1), (4 if packed else 1)
+    lists, refs = refs[:n_lists], refs[n_lists:]
+    # the first block of this CTA's list in the query row's joint list (its kind, packed)
+    first_block = (lax.axis_index("row") % n_splits) * n_blocks if n_splits > 1 else 0
+    n_out = 2 if n_splits == 1 else 3
+    data, sink_ref = refs[:n_data], refs[n_data]
+    outs = refs[n_data + 1:n_data + 1 + n_out]
     (q_smem, tiles, p_smem, rows_smem, mx_smem, l_smem, sink_smem, lse_smem,
-     in_bar, full, free, xchg, *staging) = refs[n_data + 3:]
-    rid = lax.axis_index("row")
-    b = rid // S
+     list_bar, q_bar, full, free, xchg, *staging) = refs[n_data + 1 + n_out:]
+    rid = lax.axis_index("row")        # the CTA's list (a query row's, or one split of it)
+    qid = rid // n_splits              # its query row
+    b = qid // S
     wg = lax.axis_index("wg")
     L = n_blocks * BN
     row_layout = plgpu.Layout.WGMMA.reduce(1)   # per head (row of the S / O tiles)
     col_layout = plgpu.Layout.WGMMA.reduce(0)   # per entry (column of S)
     exp = tk.exp_of(softmax)
 
-    # ---- per-row inputs: q (consumers), the row list, the sink ----
-    pl.when(wg == 0)(lambda: mg.load_row_inputs(in_bar, rid, q_ref, q_smem, rows_ref, rows_smem,
-                                                L, (sink_ref, sink_smem)))
-    plgpu.barrier_wait(in_bar)
+    # ---- per-row inputs: the row list (everyone), q and the sink (the consumers) ----
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[qid], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(sink_ref, sink_smem, q_bar)
+        if not split_lists:
+            for c in range(0, L, LIST_CHUNK):    # TMA boxes: <= 256 elements per dimension
+                n = min(LIST_CHUNK, L - c)
+                plgpu.copy_gmem_to_smem(lists[0].at[rid, pl.ds(c, n)],
+                                        rows_smem.at[pl.ds(c, n)], list_bar)
+            return
+        win_ref, top_ref = lists
+        n_wblocks = n_rows[2] // BN
+        for k in range(n_blocks):   # block by block from the window or the top-k list
+            jg, dst = first_block + k, rows_smem.at[pl.ds(k * BN, BN)]
+            pl.when(jg < n_wblocks)(lambda jg=jg, dst=dst: plgpu.copy_gmem_to_smem(
+                win_ref.at[qid, pl.ds(jg * BN, BN)], dst, list_bar))
+            pl.when(jg >= n_wblocks)(lambda jg=jg, dst=dst: plgpu.copy_gmem_to_smem(
+                top_ref.at[qid, pl.ds((jg - n_wblocks) * BN, BN)], dst, list_bar))
+    plgpu.barrier_wait(list_bar)
 
     # ---- the producer ----
     @pl.when(wg == 2)
@@ -339,9 +464,33 @@ def _kernel(q_ref, rows_ref, *refs, S, n_blocks, n_rows, scale, interpret, softm
             slot = j % 2
             block_rows = rows_smem.at[pl.ds(j * BN, BN)]
             if packed:   # decoded in the producer's registers: the tile is written on return
-                n_win, n_main = n_rows
-                _decode_rows(block_rows, *(d.at[b] for d in data), tiles.at[slot],
-                             n_win=n_win, n_main=n_main)
+                n_win, n_main, n_wlist, main_offset = n_rows
+                kinds = sorted({block_kind(k, n_wlist) for k in range(n_blocks * n_splits)})
+
+                def for_kind(jj, fn):   # one branch per kind of block (uniform in the CTA)
+                    for kind in kinds:
+                        run = functools.partial(fn, kind)
+                        if len(kinds) == 1:
+                            run()
+                        else:
+                            pl.when(_is_kind(first_block + jj, kind, n_wlist))(run)
+
+                def decode(rows, kind, *, prefetch=False):
+                    _decode_rows(rows, *(d.at[b] for d in data), tiles.at[slot],
+                                 n_win=n_win, n_main=n_main, main_offset=main_offset,
+                                 kind=kind, prefetch=prefetch)
+
+                def prefetch(jj, kind):
+                    if kind != "mixed":   # (both kinds' addresses: not worth it)
+                        decode(rows_smem.at[pl.ds(jj * BN, BN)], kind, prefetch=True)
+
+                def prefetch_block(jj):   # block jj's rows towards L2, if there is one
+                    pl.when(jj < n_blocks)(
+                        lambda: for_kind(jj, functools.partial(prefetch, jj)))
+                for d in range(1, PREFETCH_AHEAD):   # (the first block: the nearer ones)
+                    pl.when(j == 0)(functools.partial(prefetch_block, j + d))
+                prefetch_block(j + PREFETCH_AHEAD)
+                for_kind(j, functools.partial(decode, block_rows))
             elif interpret:   # TMA per row into a plain staging buffer, then into the tile
                 (stage, stage_bar), = staging
                 (kv_ref,) = data
@@ -408,6 +557,7 @@ def _kernel(q_ref, rows_ref, *refs, S, n_blocks, n_rows, scale, interpret, softm
         if not interpret:
             plgpu.set_max_registers(PACKED_CONSUMER_REGS if packed else CONSUMER_REGS,
                                     action="increase")
+        plgpu.barrier_wait(q_bar)
 
         def sync():
             plgpu.barrier_arrive(xchg)
@@ -415,7 +565,7 @@ def _kernel(q_ref, rows_ref, *refs, S, n_blocks, n_rows, scale, interpret, softm
 
         def block(j, carry):
             acc, m_i, l_i = carry
-            slot, par = j % 2, j % 2
+            slot = par = j % 2
             plgpu.barrier_wait(full.at[slot])
             tile = tiles.at[slot]
 
@@ -459,17 +609,39 @@ def _kernel(q_ref, rows_ref, *refs, S, n_blocks, n_rows, scale, interpret, softm
         l_i = plgpu.layout_cast(jnp.zeros((H_SUPPORTED,), F32), row_layout)
         acc, m_i, l_i = lax.fori_loop(0, n_blocks, block, (acc, m_i, l_i))
 
-        # ---- epilogue: both denominators, the sink, bf16 output through q's buffer ----
+        # ---- epilogue: both denominators; the sink and bf16 output through q's buffer, or
+        # the split's partial state ----
         l_smem.at[wg][...] = l_i
         sync()          # (both warp groups' last score products are done: q is free)
         l_tot = (plgpu.load(l_smem.at[0], layout=row_layout)
                  + plgpu.load(l_smem.at[1], layout=row_layout))
+        cols = pl.ds(wg * HALF_K, HALF_K)
+        if n_splits > 1:
+            acc_ref, m_ref, l_ref = outs
+            acc_ref.at[rid, :, cols][...] = acc      # registers -> global memory
+
+            @pl.when(wg == 0)
+            def _():   # (the maxima buffers are free: both passed the last exchange)
+                mx_smem.at[0, 0][...] = m_i
+                mx_smem.at[0, 1][...] = l_tot
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(mx_smem.at[0, 0], m_ref.at[rid])
+                plgpu.copy_smem_to_gmem(mx_smem.at[0, 1], l_ref.at[rid])
+                plgpu.wait_smem_to_gmem(0)
+            return
+        o_ref, lse_ref = outs
         sink = plgpu.load(sink_smem, layout=row_layout)
         den = l_tot + exp(sink - m_i)
         o = acc / lax.broadcast_in_dim(den, acc.shape, [0])
-        mg.store_row_outputs(q_smem, o_ref, lse_smem, lse_ref, rid, wg,
-                             pl.ds(wg * HALF_K, HALF_K), o.astype(BF16),
+        mg.store_row_outputs(q_smem, o_ref, lse_smem, lse_ref, rid, wg, cols, o.astype(BF16),
                              lse_with_sink(m_i, l_tot, sink))
+
+
+def balanced_splits(n_splits: int, n_blocks: int) -> int:
+    """The list splits a call runs: at most one per block, then the fewest with the same
+    blocks per split (no split is empty; the last may be shorter)."""
+    n_splits = max(1, min(n_splits, n_blocks))
+    return -(-n_blocks // -(-n_blocks // n_splits))
 
 
 def on_hopper_or_unknown() -> bool:
@@ -503,7 +675,7 @@ def _check(q, kv, rows, sink):
 
 def sparse_attention_rows(q: Float[Array, "B S 64 512"], kv: Float[Array, "B N 512"],
                           rows: Int[Array, "B S L"], sink: Float[Array, "64"], scale: float, *,
-                          interpret: bool = False, softmax: str = "exp2"
+                          interpret: bool = False, softmax: str = "exp2", n_splits: int = 1
                           ) -> tuple[Float[Array, "B S 64 512"], Float[Array, "B S 64"]]:
     """The joint sink softmax of each query over its listed bf16 rows (spec 3.8), by the
     warp-specialised kernel.
@@ -518,43 +690,48 @@ def sparse_attention_rows(q: Float[Array, "B S 64 512"], kv: Float[Array, "B N 5
       interpret: Mosaic GPU interpret mode (CPU; slow, for tests).
       softmax: the exponential, ``"exp2"`` (``exp2(x log2 e)``, the Triton kernels' default)
         or ``"exp"`` (:func:`.triton.exp_of`).
+      n_splits: list splits (flash-decoding: one CTA per query row and split, each split's
+        fp32 partial state merged by :func:`.triton.merge_splits`); cut to at most one per
+        64-entry block, then balanced (:func:`balanced_splits`). 1 keeps the reference's
+        block order.
 
     Returns:
       ``(o bf16 [B, S, 64, 512], lse fp32 [B, S, 64])``, as
       :func:`pallas_kernels.sparse_attention.sparse_attention`.
 
     Raises:
-      ValueError: shapes or dtypes other than the above, an unknown ``softmax``, a GPU that is
-        not Hopper (outside interpret mode).
+      ValueError: shapes or dtypes other than the above, an unknown ``softmax``,
+        ``n_splits < 1``, a GPU that is not Hopper (outside interpret mode).
     """
     _check(q, kv, rows, sink)
     tk.exp_of(softmax)   # ValueError for an unknown name
+    _check_splits(n_splits)
     if not interpret and not on_hopper_or_unknown():
         raise ValueError("the Mosaic GPU kernels need a Hopper GPU (sm_90: wgmma, setmaxnreg)")
     call = functools.partial(_rows_call, scale=float(scale), interpret=interpret,
-                             softmax=softmax)
+                             softmax=softmax, n_splits=int(n_splits))
     if interpret:   # eager: see mosaic_gpu.sparse_attention (interpreter callbacks on 2 cores)
         with jax.disable_jit():
             return call(q, kv, rows, sink)
     return call(q, kv, rows, sink)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "softmax"))
-def _rows_call(q, kv, rows, sink, *, scale, interpret, softmax):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "softmax", "n_splits"))
+def _rows_call(q, kv, rows, sink, *, scale, interpret, softmax, n_splits):
     B, S, H, _ = q.shape
     L = rows.shape[-1]
     if L == 0:
         return jnp.zeros(q.shape, BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H))
     N = kv.shape[1]
     rows = jnp.where(rows >= 0, jnp.minimum(rows, N - 1), -1)
-    return _call(q, rows, (kv,), sink, n_rows=N, scale=scale, interpret=interpret,
-                 softmax=softmax, packed=False)
+    return _call(q, (rows,), (kv,), sink, n_rows=N, scale=scale, interpret=interpret,
+                 softmax=softmax, packed=False, n_splits=n_splits)
 
 
 def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
                             win_idx: Int[Array, "B S Ww"], main, main_scale,
                             topk: Int[Array, "B S k"] | None, sink: Float[Array, "64"],
-                            scale: float, *, softmax: str = "exp2"
+                            scale: float, *, softmax: str = "exp2", n_splits: int = 1
                             ) -> tuple[Float[Array, "B S 64 512"], Float[Array, "B S 64"]]:
     """:func:`pallas_kernels.sparse_attention.sparse_attention` over the state's packed rows
     (FP8 window rows + E8M0 scales, packed FP4 main KV + E4M3 scales), the producer warp group
@@ -563,14 +740,16 @@ def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
     Args and results as that op (``win_kv`` float8_e4m3fn [B, Nw, 512], ``win_scale`` uint8
     [B, Nw, 16], ``main`` uint8 [B, T, 256], ``main_scale`` float8_e4m3fn [B, T, 32]; ``topk``
     None for a SWA-only layer); 64 heads x 512, at most ``MAX_LIST`` entries in the joint list
-    (window + top-k, padded to 64).
+    (window + top-k, padded to 64); ``n_splits`` list splits as
+    :func:`sparse_attention_rows`.
 
     Raises:
       ValueError: other shapes or dtypes, a joint list over ``MAX_LIST``, an unknown
-        ``softmax``, a GPU that is not Hopper.
+        ``softmax``, ``n_splits < 1``, a GPU that is not Hopper.
     """
     from pallas_kernels.sparse_attention import triton_dense as td
     tk.exp_of(softmax)
+    _check_splits(n_splits)
     mg._check_supported(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink)
     if not on_hopper_or_unknown():
         raise ValueError("the Mosaic GPU kernels need a Hopper GPU (sm_90: wgmma, setmaxnreg)")
@@ -585,28 +764,60 @@ def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
     if -(-n_list // BN) * BN > MAX_LIST:
         raise ValueError(f"win_idx + topk: {n_list} entries (padded to {BN}) exceed the "
                          f"{MAX_LIST} the kernel's shared memory holds")
-    n_win, n_main = win_kv.shape[1], main.shape[1]
-    rows = td.joint_list(win_idx, topk, n_win, n_main)
-    _check(q, jnp.zeros((B, 1, K), BF16), rows, sink)   # (shapes only: traced away)
+    n_win, n_main, n_wlist = win_kv.shape[1], main.shape[1], win_idx.shape[-1]
+    n_top = 0 if topk is None else topk.shape[-1]
+    n_blocks = -(-n_list // BN)
+    splits = balanced_splits(n_splits, max(n_blocks, 1))
     u8 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.uint8)
-    return _packed_call(q, rows, (u8(win_kv), u8(win_scale), u8(main), u8(main_scale)), sink,
-                        n_rows=(n_win, n_main), scale=float(scale), softmax=softmax)
+    data = (u8(win_kv), u8(win_scale), u8(main), u8(main_scale))
+    if (n_wlist % BN == 0 and n_top % BN == 0 and n_wlist > 0 and n_top > 0
+            and n_blocks % splits == 0):
+        # whole blocks of each list (the release: 128 + 512): the kernel copies both lists
+        # block by block and reads top-k entries as they are (no joint list to build)
+        lists = (win_idx.astype(I32), topk.astype(I32))
+        n_rows = (n_win, n_main, n_wlist, 0)
+    else:
+        lists = (td.joint_list(win_idx, topk, n_win, n_main),)
+        n_rows = (n_win, n_main, n_wlist, n_win)
+    _check(q, jnp.zeros((B, 1, K), BF16), jnp.zeros((B, S, n_blocks * BN), I32), sink)
+    return _packed_call(q, lists, data, sink, n_rows=n_rows, scale=float(scale),
+                        softmax=softmax, n_splits=splits)
 
 
-@functools.partial(jax.jit, static_argnames=("n_rows", "scale", "softmax"))
-def _packed_call(q, rows, data, sink, *, n_rows, scale, softmax):
+@functools.partial(jax.jit, static_argnames=("n_rows", "scale", "softmax", "n_splits"))
+def _packed_call(q, lists, data, sink, *, n_rows, scale, softmax, n_splits):
     B, S, H, _ = q.shape
-    if rows.shape[-1] == 0:
+    if sum(x.shape[-1] for x in lists) == 0:
         return jnp.zeros(q.shape, BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H))
-    return _call(q, rows, data, sink, n_rows=n_rows, scale=scale, interpret=False,
-                 softmax=softmax, packed=True)
+    return _call(q, lists, data, sink, n_rows=n_rows, scale=scale, interpret=False,
+                 softmax=softmax, packed=True, n_splits=n_splits)
 
 
-def _call(q, rows, data, sink, *, n_rows, scale, interpret, softmax, packed):
-    """The kernel over ``rows`` (int32 [B, S, L], clamped, -1 = no entry) of ``data``."""
+def _check_splits(n_splits):
+    if int(n_splits) != n_splits or n_splits < 1:
+        raise ValueError(f"n_splits must be an integer >= 1, got {n_splits!r}")
+
+
+def _call(q, lists, data, sink, *, n_rows, scale, interpret, softmax, packed, n_splits):
+    """The kernel over ``lists`` of ``data``: the joint list (int32 [B, S, L], clamped, -1 = no
+    entry), or (packed, whole blocks) the window and top-k lists; with list splits, their
+    partial states merged by :func:`.triton.merge_splits`."""
     B, S, H, K = q.shape
-    L = rows.shape[-1]
     R = B * S
+    split_lists = len(lists) == 2
+    n_total = sum(x.shape[-1] for x in lists) // BN if split_lists else None
+    if not split_lists:
+        (rows,) = lists
+        n_total = rows.shape[-1] // BN
+        n_splits = balanced_splits(n_splits, n_total)
+        if n_splits > 1:   # one list per split (the last padded with -1 entries: zero weight)
+            per = -(-n_total // n_splits) * BN
+            rows = jnp.pad(rows, ((0, 0), (0, 0), (0, per * n_splits - rows.shape[-1])),
+                           constant_values=-1).reshape(B, S * n_splits, per)
+        lists = (rows.reshape(R * n_splits, -1),)
+    else:   # copied block by block by the kernel: the splits divide the blocks
+        lists = tuple(x.reshape(R, -1) for x in lists)
+    L = n_total // n_splits * BN if split_lists else lists[0].shape[-1]
     tiled = TILED
     scratch = [
         plgpu.SMEM((H, K), BF16, transforms=tiled),              # q, then the output
@@ -617,16 +828,25 @@ def _call(q, rows, data, sink, *, n_rows, scale, interpret, softmax, packed):
         plgpu.SMEM((2, H), F32),                                 # denominators
         plgpu.SMEM((H,), F32),                                   # sink
         plgpu.SMEM((H,), F32),                                   # lse staging
-        plgpu.Barrier(num_arrivals=2 + -(-L // LIST_CHUNK)),     # per-row inputs
+        plgpu.Barrier(num_arrivals=L // BN if split_lists else -(-L // LIST_CHUNK)),  # list
+        plgpu.Barrier(num_arrivals=2),                           # q and the sink
         plgpu.Barrier(num_arrivals=1, num_barriers=2),           # tile full (producer)
         plgpu.Barrier(num_arrivals=2, num_barriers=2),           # tile free (consumers)
         plgpu.Barrier(num_arrivals=2),                           # consumers' exchange
     ]
     if interpret:
         scratch.append((plgpu.SMEM((BN, K), BF16), plgpu.Barrier(num_arrivals=BN)))
-    kernel = functools.partial(_kernel, S=S, n_blocks=L // BN, n_rows=n_rows, scale=scale,
-                               interpret=interpret, softmax=softmax, packed=packed)
+    kernel = functools.partial(_kernel, S=S, n_blocks=L // BN, n_splits=n_splits,
+                               n_rows=n_rows, scale=scale, interpret=interpret,
+                               softmax=softmax, packed=packed, split_lists=split_lists)
     name = "csa2_sparse_attention_packed_mgpu" if packed else "csa2_sparse_attention_rows_mgpu"
-    o, lse = mg.row_kernel(kernel, scratch, R, num_threads=3, name=name, interpret=interpret)(
-        q.reshape(R, H, K), rows.reshape(R, L), *data, sink.astype(F32))
+    outs = mg.row_kernel(kernel, scratch, R * n_splits, num_threads=3, name=name,
+                         interpret=interpret, partial=n_splits > 1)(
+        q.reshape(R, H, K), *lists, *data, sink.astype(F32))
+    if n_splits == 1:
+        o, lse = outs
+    else:
+        acc, m, l = (x.reshape(R, n_splits, *x.shape[1:]) for x in outs)
+        o, lse = tk.merge_splits(acc, m, l, sink.astype(F32), softmax=softmax,
+                                 interpret=interpret)
     return o.reshape(B, S, H, K), lse.reshape(B, S, H)

@@ -556,6 +556,11 @@ def merge_splits(acc: Float[Array, "R P H K"], m: Float[Array, "R P H"], l: Floa
     )(acc, m, l, sink)
 
 
+# query rows from which the packed rows go to the Mosaic GPU kernel by default (measured from
+# B=8 on; B=1 keeps Triton's 32-head programs)
+MGPU_MIN_ROWS = 8
+
+
 def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) -> dict:
     """Block sizes for a call with ``rows = B*S`` query rows (measured on the H200, device
     times, docs/benchmarks.md): all heads of a query in one program (the block is
@@ -571,17 +576,19 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
     the softmax's exponentials as ``exp2(x log2 e)`` and the splits merged by
     :func:`merge_splits` (session 7, together: 6% faster at B=256 and prefill, 0.5-4 us
     faster at B=1-64). ``kernel``: ``"mosaic_gpu"`` (the warp-specialised kernel with the
-    decoding producer, :func:`.mosaic_gpu_rows.sparse_attention_packed`: 142.8 against 158.6
-    us at B=256, session 12) for 64 heads x 512 without list splits (128 programs or more),
-    lists of at most ``MAX_LIST`` entries, on Hopper (or without a GPU); ``"triton"``
-    otherwise (B <= 64: its list splits win)."""
+    decoding producer, :func:`.mosaic_gpu_rows.sparse_attention_packed`, with the same list
+    splits below 128 query rows: session 13, H200, B=8 14.3 against 17.3 us, B=64 33.6
+    against 51.9, B=256 84.3 against 157.6) for 64 heads x 512 and at least
+    :data:`MGPU_MIN_ROWS` query rows, lists of at most ``MAX_LIST`` entries, on Hopper (or
+    without a GPU); ``"triton"`` otherwise."""
     from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
     block_h = min(heads, 64)
     programs = rows * (heads // block_h)
     n_splits = list_splits(programs, n_blocks)
-    mgpu = ((heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED) and programs >= 128
-            and n_blocks * SOFTMAX_BLOCK <= mr.MAX_LIST and mr.on_hopper_or_unknown())
-    if programs < 128:
+    mgpu = ((heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED)
+            and programs >= MGPU_MIN_ROWS and n_blocks * SOFTMAX_BLOCK <= mr.MAX_LIST
+            and mr.on_hopper_or_unknown())
+    if programs < 128 and not mgpu:
         while (block_h > 32 and heads % (block_h // 2) == 0
                and 2 * programs * n_splits <= 132):
             block_h //= 2
@@ -649,27 +656,29 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     if kv == "packed" and kernel not in (None, "triton"):
         if kernel != "mosaic_gpu":
             raise ValueError(f"kernel must be 'triton' or 'mosaic_gpu', got {kernel!r}")
-        given = [k for k, v in dict(tuning, block_h=block_h, n_splits=n_splits).items()
+        given = [k for k, v in dict(tuning, block_h=block_h).items()
                  if v is not None and k != "softmax"]
         if interpret:
             raise ValueError("kv='packed', kernel='mosaic_gpu' (the warp-specialised kernel "
                              "decoding in its producer: PTX) runs on the GPU only, not in "
                              "interpret mode")
         if given:
-            raise ValueError(f"kv='packed', kernel='mosaic_gpu' takes softmax only, got "
-                             f"{sorted(given)}")
+            raise ValueError(f"kv='packed', kernel='mosaic_gpu' takes softmax and n_splits "
+                             f"only, got {sorted(given)}")
         from pallas_kernels.sparse_attention import mosaic_gpu_rows
         return mosaic_gpu_rows.sparse_attention_packed(
             q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
-            softmax=softmax or "exp2")
+            softmax=softmax or "exp2", n_splits=n_splits or default_tuning(
+                B * S, H, max(1, -(-n_list // SOFTMAX_BLOCK)), K)["n_splits"])
     triton_tuned = any(v is not None for v in (block_h, n_splits, num_warps, num_stages,
                                                n_chunks, dequant, prefetch, merge))
+    defaults = default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK), K)
     if kv == "packed" and kernel is None and not interpret and not triton_tuned and (
-            default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK), K)["kernel"] == "mosaic_gpu"):
+            defaults["kernel"] == "mosaic_gpu"):
         from pallas_kernels.sparse_attention import mosaic_gpu_rows
         return mosaic_gpu_rows.sparse_attention_packed(
             q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
-            softmax=softmax or "exp2")
+            softmax=softmax or "exp2", n_splits=defaults["n_splits"])
     if kv == "dense":
         if dequant is not None or prefetch is not None:
             raise ValueError("dequant / prefetch tune the packed rows' decode: not with "

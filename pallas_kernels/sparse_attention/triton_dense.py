@@ -217,9 +217,10 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     kernel = tuning.pop("kernel", None)
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "mosaic_gpu" and set(tuning) & set(TRITON_ONLY):
-        raise ValueError(f"{sorted(set(tuning) & set(TRITON_ONLY))} tune the Triton rows' "
-                         f"kernel: not with kernel='mosaic_gpu'")
+    triton_only = set(tuning) & set(TRITON_ONLY) - {"n_splits"}
+    if kernel == "mosaic_gpu" and triton_only:
+        raise ValueError(f"{sorted(triton_only)} tune the Triton rows' kernel: not with "
+                         f"kernel='mosaic_gpu'")
     if n_list == 0:   # nothing listed at all
         return tk.empty_result(q, sink)
     if H < 16 and not interpret:    # fewer heads than the tensor-core tile: zero heads pad it
@@ -240,6 +241,7 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     if kernel == "mosaic_gpu":
         from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
         return mr.sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret,
-                                        softmax=tuning.get("softmax", defaults["softmax"]))
+                                        softmax=tuning.get("softmax", defaults["softmax"]),
+                                        n_splits=tuning.get("n_splits", 1))
     return sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret,
                                  **dict(defaults, **tuning))
