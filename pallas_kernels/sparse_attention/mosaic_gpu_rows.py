@@ -97,6 +97,8 @@ assert PACKED_PRODUCER_REGS + 2 * PACKED_CONSUMER_REGS <= REG_POOL
 # halves are 32 entries = 64 bytes wide): tiles of 8 rows x 64 bytes, 64-byte swizzle
 SWIZZLE = 64
 TILED = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+# the staged fp32 partial accumulators (TMA stores): tiles of 8 rows x 128 bytes, 128-byte swizzle
+TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 def tile_byte_offset(row, chunk):
@@ -423,6 +425,9 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
     outs = refs[n_data + 1:n_data + 1 + n_out]
     (q_smem, tiles, p_smem, rows_smem, mx_smem, l_smem, sink_smem, lse_smem,
      list_bar, q_bar, full, free, xchg, *staging) = refs[n_data + 1 + n_out:]
+    acc_stage = None
+    if n_splits > 1 and not interpret:   # list splits on the GPU: the tiles' memory (a
+        tiles, acc_stage = tiles         # RefUnion) stages the fp32 partial accumulators
     rid = lax.axis_index("row")        # the CTA's list (a query row's, or one split of it)
     qid = rid // n_splits              # its query row
     b = qid // S
@@ -618,7 +623,13 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
         cols = pl.ds(wg * HALF_K, HALF_K)
         if n_splits > 1:
             acc_ref, m_ref, l_ref = outs
-            acc_ref.at[rid, :, cols][...] = acc      # registers -> global memory
+            if acc_stage is None:   # (interpret mode) registers -> global memory
+                acc_ref.at[rid, :, cols][...] = acc
+            else:   # through the free tiles' memory (both passed the last PV product), by
+                # TMA: 4.6 us faster at B=8 than the registers' own stores (session 13)
+                acc_stage.at[wg][...] = acc
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(acc_stage.at[wg], acc_ref.at[rid, :, cols])
 
             @pl.when(wg == 0)
             def _():   # (the maxima buffers are free: both passed the last exchange)
@@ -627,7 +638,7 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(mx_smem.at[0, 0], m_ref.at[rid])
                 plgpu.copy_smem_to_gmem(mx_smem.at[0, 1], l_ref.at[rid])
-                plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0)
             return
         o_ref, lse_ref = outs
         sink = plgpu.load(sink_smem, layout=row_layout)
@@ -819,9 +830,13 @@ def _call(q, lists, data, sink, *, n_rows, scale, interpret, softmax, packed, n_
         lists = tuple(x.reshape(R, -1) for x in lists)
     L = n_total // n_splits * BN if split_lists else lists[0].shape[-1]
     tiled = TILED
+    tile_smem = plgpu.SMEM((2, BN, K), BF16, transforms=tiled)
+    acc_smem = plgpu.SMEM((2, H, K // 2), F32, transforms=TILED_F32)
     scratch = [
         plgpu.SMEM((H, K), BF16, transforms=tiled),              # q, then the output
-        plgpu.SMEM((2, BN, K), BF16, transforms=tiled),          # two row tiles
+        # two row tiles; with list splits on the GPU, the same memory then stages the two
+        # consumers' fp32 partial accumulators for their TMA stores
+        tile_smem if n_splits == 1 or interpret else plgpu.RefUnion(tile_smem, acc_smem),
         plgpu.SMEM((2, 2, H, HALF_N), BF16, transforms=tiled),  # P halves, by block parity
         plgpu.SMEM((L,), I32),                                   # the row list
         plgpu.SMEM((2, 2, H), F32),                              # score maxima halves
