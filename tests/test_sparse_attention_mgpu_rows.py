@@ -171,6 +171,8 @@ def test_rule_and_dispatch():
                             num_stages=2)
     with pytest.raises(ValueError, match="n_splits must be"):
         mr.sparse_attention_rows(args[0], kv, rows, args[-1], SCALE, interpret=True, n_splits=0)
+    with pytest.raises(ValueError, match="n_splits must be"):   # (not the default instead)
+        tk.sparse_attention(*args, SCALE, kv="packed", kernel="mosaic_gpu", n_splits=0)
     with pytest.raises(ValueError, match="kernel must be"):
         tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="cuda")
 

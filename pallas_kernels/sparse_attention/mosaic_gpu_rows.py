@@ -42,15 +42,16 @@ attention there.
 rows or more): the producer reads the state's FP8 window rows and packed FP4 main KV itself
 and decodes them into the tile (:func:`_decode_rows`: one code path per kind of block,
 16-byte loads, the Triton kernel's PTX decode, bank-conflict-free swizzled 16-byte shared
-stores, the next block's rows prefetched into L2; 72 registers, the consumers 216). At the
-release's whole-block lists (128 + 512) the kernel copies the window and top-k lists itself,
-block by block (no joint list is built). H200 (session 13, device time): B=256 84.0 us
+stores, the next block's rows prefetched into L2; 72 registers, the consumers 216). With
+whole-block lists (the release's 128 + 512) and a split count that divides the blocks, the
+kernel copies the window and top-k lists itself, block by block (no joint list is built). H200 (session 13, device time): B=256 84.0 us
 (255.6 TFLOP/s; Triton's packed kernel 157.5), B=64 33.5 us with 2 list splits (5.05x XLA),
 B=8 15.0 us with 10.
 
 **List splits** (``n_splits``, flash-decoding): one CTA per (query row, split), each split
-a contiguous run of blocks; its fp32 partial state (``acc`` straight from the registers, the
-maxima and denominators through shared memory) is merged by :func:`.triton.merge_splits`.
+a contiguous run of blocks; its fp32 partial state (``acc`` staged in the free tiles' shared
+memory and stored by TMA, in interpret mode from the registers; the maxima and denominators
+through shared memory) is merged by :func:`.triton.merge_splits`.
 
 Interpret mode (CPU, tests) cannot run the producer's ``cp.async`` (``plgpu.inline_mgpu``):
 there the producer copies each listed row by TMA into a plain staging buffer and moves it
@@ -790,7 +791,8 @@ def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
     else:
         lists = (td.joint_list(win_idx, topk, n_win, n_main),)
         n_rows = (n_win, n_main, n_wlist, n_win)
-    _check(q, jnp.zeros((B, 1, K), BF16), jnp.zeros((B, S, n_blocks * BN), I32), sink)
+    _check(q, jax.ShapeDtypeStruct((B, 1, K), BF16),
+           jax.ShapeDtypeStruct((B, S, n_blocks * BN), I32), sink)   # (shapes and dtypes)
     return _packed_call(q, lists, data, sink, n_rows=n_rows, scale=float(scale),
                         softmax=softmax, n_splits=splits)
 

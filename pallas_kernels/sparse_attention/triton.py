@@ -588,7 +588,7 @@ def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) ->
     mgpu = ((heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED)
             and programs >= MGPU_MIN_ROWS and n_blocks * SOFTMAX_BLOCK <= mr.MAX_LIST
             and mr.on_hopper_or_unknown())
-    if programs < 128 and not mgpu:
+    if programs < 128:   # (Triton's head blocks; the Mosaic GPU kernel takes all 64 heads)
         while (block_h > 32 and heads % (block_h // 2) == 0
                and 2 * programs * n_splits <= 132):
             block_h //= 2
@@ -631,13 +631,14 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     warp-specialised :mod:`.mosaic_gpu_rows`; its own rule in
     :func:`.triton_dense.default_tuning`: prefill at the release's 64 heads x 512); with
     ``kv="packed"``, ``kernel="mosaic_gpu"`` runs that kernel with a producer that decodes the
-    packed rows (:func:`.mosaic_gpu_rows.sparse_attention_packed`; GPU only, ``softmax`` its
-    only tuning).
+    packed rows (:func:`.mosaic_gpu_rows.sparse_attention_packed`; GPU only, ``softmax`` and
+    ``n_splits`` its only tunings; unset, the default for 64 heads x 512 from
+    :data:`MGPU_MIN_ROWS` query rows on, with :func:`default_tuning`'s list splits).
 
     Raises ``ValueError`` for a tuning outside those limits (``dequant`` / ``prefetch`` with
-    ``kv="dense"``, and Triton tunings or interpret mode with ``kv="packed",
-    kernel="mosaic_gpu"`` included) or, for the packed kernel, a head dim that is not a power of two
-    >= 64.
+    ``kv="dense"``, and Triton tunings other than ``n_splits``, ``n_splits < 1`` or interpret
+    mode with ``kv="packed", kernel="mosaic_gpu"`` included) or, for the packed kernel, a head
+    dim that is not a power of two >= 64.
     """
     B, S, H, K = q.shape
     tuning = dict(num_warps=num_warps, num_stages=num_stages, n_chunks=n_chunks,
@@ -668,8 +669,8 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         from pallas_kernels.sparse_attention import mosaic_gpu_rows
         return mosaic_gpu_rows.sparse_attention_packed(
             q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
-            softmax=softmax or "exp2", n_splits=n_splits or default_tuning(
-                B * S, H, max(1, -(-n_list // SOFTMAX_BLOCK)), K)["n_splits"])
+            softmax=softmax or "exp2", n_splits=n_splits if n_splits is not None else
+            default_tuning(B * S, H, max(1, -(-n_list // SOFTMAX_BLOCK)), K)["n_splits"])
     triton_tuned = any(v is not None for v in (block_h, n_splits, num_warps, num_stages,
                                                n_chunks, dequant, prefetch, merge))
     defaults = default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK), K)

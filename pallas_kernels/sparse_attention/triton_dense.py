@@ -206,12 +206,13 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     """:func:`pallas_kernels.sparse_attention.sparse_attention`'s arguments and results, by
     :func:`dense_rows` + :func:`joint_list` + the rows' kernel ``tuning["kernel"]``:
     ``"triton"`` (:func:`sparse_attention_rows`, which takes the other tuning keywords) or
-    ``"mosaic_gpu"`` (:func:`.mosaic_gpu_rows.sparse_attention_rows`: ``softmax`` only). Unset,
+    ``"mosaic_gpu"`` (:func:`.mosaic_gpu_rows.sparse_attention_rows`: ``softmax`` and
+    ``n_splits`` only). Unset,
     :func:`default_tuning` decides (``"triton"`` in interpret mode or when Triton tuning
     keywords are given).
 
-    Raises ``ValueError`` for an unknown kernel, Triton tuning keywords with
-    ``kernel="mosaic_gpu"``, or what the chosen kernel rejects."""
+    Raises ``ValueError`` for an unknown kernel, Triton tuning keywords other than
+    ``n_splits`` with ``kernel="mosaic_gpu"``, or what the chosen kernel rejects."""
     B, S, H, K = q.shape
     n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
     kernel = tuning.pop("kernel", None)
