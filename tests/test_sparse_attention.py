@@ -234,6 +234,9 @@ def test_dispatch_and_errors():
     args = make_inputs()
     with pytest.raises(ValueError, match="impl must be one of"):
         sa.sparse_attention(*args, impl="cuda")
+    if jax.default_backend() == "cpu":   # (no GPU: a clear error, not Pallas' own)
+        with pytest.raises(ValueError, match="needs a GPU backend"):
+            sa.sparse_attention(*args, impl="triton")
     with pytest.raises(ValueError, match="win_idx"):
         sa.sparse_attention(*args[:3], args[3].astype(jnp.int16), *args[4:], impl="xla")
     with pytest.raises(ValueError, match="main_scale"):

@@ -12,11 +12,11 @@ One public op, :func:`sparse_attention`, with several implementations behind ``i
   block ahead (1.56x the packed kernel at 4096 queries on the H200). At 64 heads x 512 those
   bf16 rows go to the warp-specialised Pallas Mosaic GPU kernel (``mosaic_gpu_rows.py``: a
   producer warp group gathers them by ``cp.async``, two consumer warp groups split the score
-  tile; 1.01 ms for those 4096 queries against 1.43 ms). The ``kv`` tuning (``"packed"`` /
+  tile; 0.94 ms for those 4096 queries against 1.42 ms). The ``kv`` tuning (``"packed"`` /
   ``"dense"``) overrides the choice of rows, ``kernel`` (``"triton"`` / ``"mosaic_gpu"``) the
   kernel: packed rows of 8 query rows or more (decode at B >= 8, with list splits below 128)
   also default to that Mosaic GPU kernel, its producer decoding the FP8 / FP4 rows (H200:
-  84.0 against 157.5 us at B=256, 33.5 against 51.6 at B=64, 15.0 against 18.1 at B=8).
+  84.3 against 157.7 us at B=256, 32.9 against 51.8 at B=64, 14.7 against 18.0 at B=8).
 * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel (``tpu.py``): the index lists are prefetched to
   scalar memory and drive one row DMA per entry.
 * ``"mosaic_gpu"``: Pallas Mosaic GPU prototype for Hopper (``mosaic_gpu.py``): per-row TMA
@@ -122,7 +122,7 @@ def sparse_attention(q: Float[Array, "B S H K"], win_kv, win_scale, win_idx: Int
 
     Raises:
       ValueError: a shape or dtype that does not match the layout above, an unknown impl,
-        tuning keywords for an implementation without them.
+        tuning keywords for an implementation without them, ``impl="triton"`` without a GPU.
 
     Spec 3.8; the list order and blocking are described in :mod:`.reference`.
     """
@@ -151,6 +151,9 @@ def sparse_attention(q: Float[Array, "B S H K"], win_kv, win_scale, win_idx: Int
     if impl == "xla":   # "auto" on a platform without a kernel: the kernels' tuning is unused
         return sparse_attention_xla(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink,
                                     scale)
+    if impl == "triton" and jax.default_backend() not in ("gpu", "cuda"):
+        raise ValueError(f"impl='triton' needs a GPU backend (got {jax.default_backend()!r}); "
+                         "use 'triton_interpret' on CPU")
     if impl in ("triton", "triton_interpret"):
         from pallas_kernels.sparse_attention import triton as kernel
         return kernel.sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk,

@@ -144,16 +144,22 @@ def _e8m0_value(byte):
 
 # ---- the parts every per-query-row kernel here shares ---------------------------------------
 
-def load_row_inputs(bar, rid, q_ref, q_smem, rows_ref, rows_smem, n_list: int, *pairs,
-                    qid=None):
-    """TMA copies of row list ``rid``'s inputs onto ``bar`` (one arrival each): q (of query row
-    ``qid``, default ``rid``), the row list (in boxes of at most ``LIST_CHUNK`` entries) and the
-    ``(src, dst)`` ``pairs`` (sink, ...). Call from one warp group; ``bar`` expects ``1 +
-    ceil(n_list / LIST_CHUNK) + len(pairs)`` arrivals."""
-    plgpu.copy_gmem_to_smem(q_ref.at[rid if qid is None else qid], q_smem, bar)
-    for c in range(0, n_list, LIST_CHUNK):    # TMA boxes: <= 256 elements per dimension
+def copy_list(bar, src, dst, n_list: int) -> int:
+    """TMA copies of a row list ``src`` (int32 GMEM ref [n_list]) into ``dst`` (SMEM) onto
+    ``bar``, in boxes of at most ``LIST_CHUNK`` entries (a TMA box holds <= 256 per dimension);
+    returns the number of copies (``bar``'s arrivals)."""
+    for c in range(0, n_list, LIST_CHUNK):
         n = min(LIST_CHUNK, n_list - c)
-        plgpu.copy_gmem_to_smem(rows_ref.at[rid, pl.ds(c, n)], rows_smem.at[pl.ds(c, n)], bar)
+        plgpu.copy_gmem_to_smem(src.at[pl.ds(c, n)], dst.at[pl.ds(c, n)], bar)
+    return -(-n_list // LIST_CHUNK)
+
+
+def load_row_inputs(bar, rid, q_ref, q_smem, rows_ref, rows_smem, n_list: int, *pairs):
+    """TMA copies of query row ``rid``'s inputs onto ``bar`` (one arrival each): q, its row list
+    (:func:`copy_list`) and the ``(src, dst)`` ``pairs`` (sink, ...). Call from one warp group;
+    ``bar`` expects ``1 + ceil(n_list / LIST_CHUNK) + len(pairs)`` arrivals."""
+    plgpu.copy_gmem_to_smem(q_ref.at[rid], q_smem, bar)
+    copy_list(bar, rows_ref.at[rid], rows_smem, n_list)
     for src, dst in pairs:
         plgpu.copy_gmem_to_smem(src, dst, bar)
 

@@ -7,9 +7,10 @@ warp groups (``num_threads=3``, ``thread_name="wg"``):
 
 * **warp group 2, the producer** (40 registers per thread): gathers each 64-entry block's
   listed bf16 rows (1 KiB each) with ``cp.async`` (16 bytes per copy, 32 per thread and block,
-  the 8 threads of a quarter warp the same chunk of 8 rows: :func:`_lanes`), straight into the swizzled ``[64, 512]`` operand
-  tile the tensor cores read: the 64-byte swizzle of Mosaic GPU's (8 rows x 64 bytes) tiling
-  (:data:`TILED`, :func:`tile_byte_offset`) is computed per copy, so no relayout pass and no bf16 copy in HBM.
+  the 8 threads of a quarter warp the same chunk of 8 rows: :func:`_lanes`), straight into
+  the swizzled ``[64, 512]`` operand tile the tensor cores read: the 64-byte swizzle of
+  Mosaic GPU's (8 rows x 64 bytes) tiling (:data:`TILED`, :func:`tile_byte_offset`) is
+  computed per copy, so no relayout pass and no bf16 copy in HBM.
   Two tiles: block ``j + 1``'s copies are in flight while block ``j`` is consumed.
 * **warp groups 0 and 1, the consumers** (232 registers): each computes **half of the score
   tile** (``S_w = Q K_w^T``, entries ``32 w .. 32 w + 31`` of the block: wgmma N = 32, K = 512,
@@ -44,9 +45,9 @@ and decodes them into the tile (:func:`_decode_rows`: one code path per kind of 
 16-byte loads, the Triton kernel's PTX decode, bank-conflict-free swizzled 16-byte shared
 stores, the next block's rows prefetched into L2; 72 registers, the consumers 216). With
 whole-block lists (the release's 128 + 512) and a split count that divides the blocks, the
-kernel copies the window and top-k lists itself, block by block (no joint list is built). H200 (session 13, device time): B=256 84.0 us
-(255.6 TFLOP/s; Triton's packed kernel 157.5), B=64 33.5 us with 2 list splits (5.05x XLA),
-B=8 15.0 us with 10.
+kernel copies the window and top-k lists itself, block by block (no joint list is built).
+H200 (session 13, device time): B=256 84.3 us (254.6 TFLOP/s; Triton's packed kernel 157.7),
+B=64 32.9 us with 2 list splits (5.15x XLA; Triton 51.8), B=8 14.7 us with 10 (Triton 18.0).
 
 **List splits** (``n_splits``, flash-decoding): one CTA per (query row, split), each split
 a contiguous run of blocks; its fp32 partial state (``acc`` staged in the free tiles' shared
@@ -75,7 +76,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.sparse_attention import mosaic_gpu as mg
 from pallas_kernels.sparse_attention import triton as tk
 from pallas_kernels.sparse_attention.mosaic_gpu import (BF16, F32, H_SUPPORTED, I32,
-                                                        K_SUPPORTED, LIST_CHUNK, NEG_START)
+                                                        K_SUPPORTED, NEG_START)
 from pallas_kernels.sparse_attention.reference import SOFTMAX_BLOCK, lse_with_sink
 
 BN = SOFTMAX_BLOCK    # 64 list entries per block
@@ -244,11 +245,6 @@ cvt.u32.u16 $1, hi;
 # rows whose packed words one producer thread holds at a time (their loads in flight together):
 # a window row is 8 words + a scale, a main-KV row 4 words + a scale word
 PASS_ROWS = {"window": 4, "main": 8, "mixed": 4}
-# the packed producer fetches the rows of the block this many blocks ahead of the one it
-# decodes into L2 (``prefetch.global.L2``), so that their loads hit L2 (H200, B=256: 84.5
-# against 92.3 us without)
-PREFETCH_AHEAD = 1
-BLOCK_KINDS = tuple(PASS_ROWS)
 
 
 def block_kind(j: int, n_wlist: int) -> str:
@@ -444,10 +440,7 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
         plgpu.copy_gmem_to_smem(q_ref.at[qid], q_smem, q_bar)
         plgpu.copy_gmem_to_smem(sink_ref, sink_smem, q_bar)
         if not split_lists:
-            for c in range(0, L, LIST_CHUNK):    # TMA boxes: <= 256 elements per dimension
-                n = min(LIST_CHUNK, L - c)
-                plgpu.copy_gmem_to_smem(lists[0].at[rid, pl.ds(c, n)],
-                                        rows_smem.at[pl.ds(c, n)], list_bar)
+            mg.copy_list(list_bar, lists[0].at[rid], rows_smem, L)
             return
         win_ref, top_ref = lists
         n_wblocks = n_rows[2] // BN
@@ -490,12 +483,10 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
                     if kind != "mixed":   # (both kinds' addresses: not worth it)
                         decode(rows_smem.at[pl.ds(jj * BN, BN)], kind, prefetch=True)
 
-                def prefetch_block(jj):   # block jj's rows towards L2, if there is one
-                    pl.when(jj < n_blocks)(
-                        lambda: for_kind(jj, functools.partial(prefetch, jj)))
-                for d in range(1, PREFETCH_AHEAD):   # (the first block: the nearer ones)
-                    pl.when(j == 0)(functools.partial(prefetch_block, j + d))
-                prefetch_block(j + PREFETCH_AHEAD)
+                # the next block's rows towards L2, so that its loads hit L2 (H200, B=256:
+                # 84.5 against 92.3 us without; two blocks ahead 85.8)
+                pl.when(j + 1 < n_blocks)(
+                    lambda: for_kind(j + 1, functools.partial(prefetch, j + 1)))
                 for_kind(j, functools.partial(decode, block_rows))
             elif interpret:   # TMA per row into a plain staging buffer, then into the tile
                 (stage, stage_bar), = staging
@@ -627,7 +618,7 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
             if acc_stage is None:   # (interpret mode) registers -> global memory
                 acc_ref.at[rid, :, cols][...] = acc
             else:   # through the free tiles' memory (both passed the last PV product), by
-                # TMA: 4.6 us faster at B=8 than the registers' own stores (session 13)
+                # TMA (H200: B=64 kernel 28.5 against 29.4 us from the registers)
                 acc_stage.at[wg][...] = acc
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(acc_stage.at[wg], acc_ref.at[rid, :, cols])
@@ -845,7 +836,8 @@ def _call(q, lists, data, sink, *, n_rows, scale, interpret, softmax, packed, n_
         plgpu.SMEM((2, H), F32),                                 # denominators
         plgpu.SMEM((H,), F32),                                   # sink
         plgpu.SMEM((H,), F32),                                   # lse staging
-        plgpu.Barrier(num_arrivals=L // BN if split_lists else -(-L // LIST_CHUNK)),  # list
+        # the list: one copy per block (split lists) or per LIST_CHUNK entries
+        plgpu.Barrier(num_arrivals=L // BN if split_lists else -(-L // mg.LIST_CHUNK)),
         plgpu.Barrier(num_arrivals=2),                           # q and the sink
         plgpu.Barrier(num_arrivals=1, num_barriers=2),           # tile full (producer)
         plgpu.Barrier(num_arrivals=2, num_barriers=2),           # tile free (consumers)

@@ -654,6 +654,7 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     n_kv_rows = win_kv.shape[1] + (0 if topk is None else main.shape[1])
     if kv is None:
         kv = "dense" if triton_dense.worth_it(B * S, n_list, B * n_kv_rows) else "packed"
+    defaults = default_tuning(B * S, H, max(1, -(-n_list // SOFTMAX_BLOCK)), K)
     if kv == "packed" and kernel not in (None, "triton"):
         if kernel != "mosaic_gpu":
             raise ValueError(f"kernel must be 'triton' or 'mosaic_gpu', got {kernel!r}")
@@ -669,11 +670,10 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         from pallas_kernels.sparse_attention import mosaic_gpu_rows
         return mosaic_gpu_rows.sparse_attention_packed(
             q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
-            softmax=softmax or "exp2", n_splits=n_splits if n_splits is not None else
-            default_tuning(B * S, H, max(1, -(-n_list // SOFTMAX_BLOCK)), K)["n_splits"])
+            softmax=softmax or "exp2",
+            n_splits=defaults["n_splits"] if n_splits is None else n_splits)
     triton_tuned = any(v is not None for v in (block_h, n_splits, num_warps, num_stages,
                                                n_chunks, dequant, prefetch, merge))
-    defaults = default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK), K)
     if kv == "packed" and kernel is None and not interpret and not triton_tuned and (
             defaults["kernel"] == "mosaic_gpu"):
         from pallas_kernels.sparse_attention import mosaic_gpu_rows
