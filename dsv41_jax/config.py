@@ -9,6 +9,7 @@ candidate pool, Engram, the RoPE table kind, and the encoder/decoder (CED) split
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -48,8 +49,29 @@ _HF_NAMES = {
     "moe_intermediate_size": "moe_inter_dim", "index_topk": "index_topk",
 }
 
+# Keys that Hugging Face and reference config.json files carry as bookkeeping: accepted and not
+# read (they do not describe the computation, or describe the one this model always runs).
+_METADATA_KEYS = frozenset({
+    "_name_or_path", "architectures", "auto_map", "model_type", "torch_dtype",
+    "transformers_version", "quantization_config", "bos_token_id", "eos_token_id",
+    "pad_token_id", "tie_word_embeddings", "use_cache", "initializer_range", "hidden_act",
+    "attention_bias", "attention_dropout", "max_position_embeddings", "topk_method",
+})
+# Top level of the nested layout: its sections, and the storage dtype of the safetensors files.
+_NESTED_SECTIONS = frozenset({"text_config", "vision_config", "quantization_config", "dtype"})
+
 _TUPLE_KEYS = ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layer_ids",
                "engram_num_embeddings", "dspark_target_layer_ids")
+
+
+def _check_keys(d: dict, known: set, where: str) -> None:
+    """Raise ``ValueError`` naming the first key of ``d`` not in ``known`` (``where``: the part of
+    the file it is in) and the closest known key."""
+    for k in d:
+        if k not in known:
+            close = difflib.get_close_matches(k, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown config key {k!r} in {where}{hint}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,39 +104,53 @@ class ModelConfig:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        """From a flat reference ``config.json`` dict or the nested HF layout."""
+        """From a flat reference ``config.json`` dict or the nested Hugging Face layout.
+
+        Absent keys take the reference defaults. Raises ``ValueError`` for a key that is neither
+        a config key nor Hugging Face bookkeeping (``architectures``, ``model_type``, ...),
+        naming it and the closest known key, and for inconsistent values (:meth:`validate`).
+        """
         d = dict(d)
         if "text_config" in d:  # nested Hugging Face layout
-            flat = {}
-            for k, v in d["text_config"].items():
-                flat[_HF_NAMES.get(k, k)] = v
-            rs = d["text_config"].get("rope_scaling") or {}
+            _check_keys(d, _NESTED_SECTIONS | _METADATA_KEYS, "the top level")
+            text = d["text_config"]
+            _check_keys(text, set(_DEFAULTS) | set(_HF_NAMES) | _METADATA_KEYS | {"rope_scaling"},
+                        "text_config")
+            flat = {_HF_NAMES.get(k, k): v for k, v in text.items() if k not in _METADATA_KEYS}
+            rs = flat.pop("rope_scaling", None) or {}
             if rs:
                 flat.setdefault("rope_factor", rs.get("factor"))
                 flat.setdefault("original_seq_len", rs.get("original_max_position_embeddings"))
                 flat.setdefault("beta_fast", rs.get("beta_fast"))
                 flat.setdefault("beta_slow", rs.get("beta_slow"))
-            vc = d.get("vision_config") or {}
+            vc = {k if k.startswith("vision_") else f"vision_{k}": v
+                  for k, v in (d.get("vision_config") or {}).items() if k not in _METADATA_KEYS}
+            _check_keys(vc, {k for k in _DEFAULTS if k.startswith("vision_")}, "vision_config")
             for k, v in vc.items():
-                flat.setdefault(k if k.startswith("vision_") else f"vision_{k}", v)
+                flat.setdefault(k, v)
             qc = d.get("quantization_config") or {}
             if qc:
                 flat.setdefault("dtype", "fp8" if qc.get("quant_method") == "fp8" else "bf16")
                 flat.setdefault("expert_dtype", qc.get("expert_dtype"))
             d = flat
-        unknown = set(d) - set(_DEFAULTS)
+        else:
+            _check_keys(d, set(_DEFAULTS) | _METADATA_KEYS, "the config")
         vals = {k: d.get(k, v) for k, v in _DEFAULTS.items()}
         for k in _TUPLE_KEYS:
             vals[k] = tuple(int(x) for x in vals[k])
         cfg = cls(**vals)
         cfg.validate()
-        del unknown  # extra keys (e.g. HF-only metadata) are ignored, as the reference does
         return cfg
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
+        """:meth:`from_dict` of a JSON file; its ``ValueError`` messages start with the path."""
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            d = json.load(f)
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

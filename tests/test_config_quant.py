@@ -126,6 +126,42 @@ def test_invalid_configs_raise(flash_dict, change, match):
         ModelConfig.from_dict(d)
 
 
+def test_misspelt_key_names_the_closest_known_key(flash_dict, tmp_path):
+    """A key the config does not have is refused (not ignored), naming the closest known key;
+    from a file, the message starts with its path."""
+    d = dict(flash_dict)
+    d["windw_size"] = d.pop("window_size")
+    with pytest.raises(ValueError, match=r"unknown config key 'windw_size'.*'window_size'"):
+        ModelConfig.from_dict(d)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"cfg\.json: unknown config key 'windw_size'"):
+        ModelConfig.from_json(path)
+    with pytest.raises(ValueError, match=r"unknown config key 'zzz' in the config$"):
+        ModelConfig.from_dict(dict(flash_dict, zzz=1))   # nothing close: no suggestion
+
+
+def test_metadata_keys_are_accepted(flash_dict):
+    """Hugging Face bookkeeping keys are accepted and change nothing."""
+    meta = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
+                torch_dtype="bfloat16", transformers_version="4.57.0", auto_map={},
+                quantization_config={"quant_method": "fp8"})
+    assert ModelConfig.from_dict(dict(flash_dict, **meta)) == ModelConfig.from_dict(flash_dict)
+
+
+@pytest.mark.parametrize("name", ["flash.json", "small.json"])
+def test_repository_configs_load(name):
+    cfg = ModelConfig.from_json(os.path.join(os.path.dirname(FLASH_JSON), name))
+    assert cfg.n_layers > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-a", "tiny-a-bf16", "tiny-engram", "tiny-vl"])
+def test_fixture_configs_load(name):
+    from conftest import fixture_dir
+    cfg = ModelConfig.from_json(os.path.join(fixture_dir(name), "config.json"))
+    assert cfg.n_layers > 0
+
+
 def test_candidate_pool_exactly_large_enough_is_valid(flash_dict):
     cfg = ModelConfig.from_dict(dict(flash_dict, candidate_topk_blocks=64))   # 64 x 8 = 512
     assert cfg.candidate_topk_blocks == 64
@@ -184,6 +220,19 @@ def test_nested_hf_layout_gives_the_same_config(flash_dict):
     assert not diff, f"nested HF layout differs from the flat config: {diff}"
     # the top-level "dtype: bfloat16" is the storage dtype, not "unquantised"
     assert a["dtype"] == "fp8" and a["expert_dtype"] == "fp4"
+
+
+@pytest.mark.parametrize("where, key, match", [
+    ("top", "text_confg", r"'text_confg' in the top level \(did you mean 'text_config'\?\)"),
+    ("text", "hiden_size", r"'hiden_size' in text_config \(did you mean 'hidden_size'\?\)"),
+    ("vision", "patch_sise", r"'vision_patch_sise' in vision_config .*'vision_patch_size'"),
+])
+def test_nested_hf_layout_refuses_unknown_keys(flash_dict, where, key, match):
+    hf = _hf_layout(flash_dict)
+    part = {"top": hf, "text": hf["text_config"], "vision": hf["vision_config"]}[where]
+    part[key] = 1
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict(hf)
 
 
 # ----------------------------------------------------------------------------- e2m1
