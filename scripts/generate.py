@@ -1,4 +1,4 @@
-"""Generate text (the ``dsv41-generate`` command: :mod:`dsv41_jax.cli.generate`)."""
+"""The ``dsv41-generate`` command (:mod:`dsv41_jax.cli.generate`): generate text."""
 import sys
 
 from dsv41_jax.cli.generate import main

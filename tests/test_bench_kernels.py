@@ -1,79 +1,70 @@
-"""The measuring pieces of scripts/bench_kernels.py and scripts/plot_benchmarks.py, on CPU:
-wall and device times from one compiled jit, the rates and ratios built from them, and the
-plot's choice of time. (The kernels themselves are timed on the GPU only.)"""
+"""The measuring pieces of the kernel benchmark (:mod:`benchmarks.timing`,
+:mod:`benchmarks.kernels`) and of :mod:`benchmarks.plot`, on CPU: wall and device times from one
+compiled jit, the rates and ratios built from them, the plot's choice of time, and the
+benchmark's refusals of bad options. (The kernels themselves are timed on the GPU only.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
+from benchmarks import kernels as bk
+from benchmarks import plot as pb
+from benchmarks import timing
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def bk():
-    return _load("bench_kernels")
-
-
-def test_measure_wall_and_trace_on_cpu(bk):
+def test_measure_wall_and_trace_on_cpu():
     """On CPU the trace holds no device streams: a wall time, ``device_s`` None, and the host
     events as the kernel list."""
-    m = bk.measure(lambda a: a * 2, [(jnp.ones((256,)),), (jnp.zeros((256,)),)], 2,
+    m = timing.measure(lambda a: a * 2, [(jnp.ones((256,)),), (jnp.zeros((256,)),)], 2,
                    profile=True)
     assert m["wall_s"] > 0 and m["device_s"] is None
     assert m["kernels"] and all(k["us_per_op"] >= 0 for k in m["kernels"])
-    assert set(bk.measure(lambda a: a + 1, [(jnp.ones((8,)),)], 1)) == {"wall_s"}
+    assert set(timing.measure(lambda a: a + 1, [(jnp.ones((8,)),)], 1)) == {"wall_s"}
 
 
-def test_rates_and_best_use_the_device_time(bk):
+def test_rates_and_best_use_the_device_time():
     """Rates follow from the times; the best kernel and the device ratio use device times."""
     tmin = 1e-6
-    xla = bk._rates({"wall_s": 40e-6, "device_s": 30e-6}, 2e9, 4e6, tmin)
-    fast_wall = bk._rates({"wall_s": 20e-6, "device_s": 25e-6}, 2e9, 4e6, tmin)
-    fast_dev = bk._rates({"wall_s": 30e-6, "device_s": 10e-6}, 2e9, 4e6, tmin)
+    xla = timing.rates({"wall_s": 40e-6, "device_s": 30e-6}, 2e9, 4e6, tmin)
+    fast_wall = timing.rates({"wall_s": 20e-6, "device_s": 25e-6}, 2e9, 4e6, tmin)
+    fast_dev = timing.rates({"wall_s": 30e-6, "device_s": 10e-6}, 2e9, 4e6, tmin)
     assert xla["us"] == pytest.approx(40.0) and xla["device_us"] == pytest.approx(30.0)
     assert xla["TFLOPs"] == pytest.approx(2e9 / 40e-6 / 1e12)
     assert xla["device_GBps"] == pytest.approx(4e6 / 30e-6 / 1e9)
     assert xla["device_roofline_frac"] == pytest.approx(tmin / 30e-6)
-    res = {"impls": {"xla": xla, "triton": fast_wall, "triton n_splits=2": fast_dev}}
-    bk._best(res)
-    assert res["best"] == "triton n_splits=2"
+    res = {"impls": {"xla": xla, "gpu": fast_wall, "gpu n_splits=2": fast_dev}}
+    timing.best(res)
+    assert res["best"] == "gpu n_splits=2"
     assert res["device_speedup_vs_xla"] == pytest.approx(3.0)
     assert res["speedup_vs_xla"] == pytest.approx(40 / 30)
     # without device times (a CPU run): by wall time, no device ratio
     wall_only = {"impls": {k: {"us": v["us"]} for k, v in res["impls"].items()}}
-    bk._best(wall_only)
-    assert wall_only["best"] == "triton" and "device_speedup_vs_xla" not in wall_only
+    timing.best(wall_only)
+    assert wall_only["best"] == "gpu" and "device_speedup_vs_xla" not in wall_only
 
 
 def test_plot_reads_device_times_when_every_entry_has_them(tmp_path):
-    pb = _load("plot_benchmarks")
     row = {"name": "decode B=8", "impls": {"xla": {"us": 60.0, "device_us": 36.0},
-                                           "triton": {"us": 46.0, "device_us": 20.0}}}
+                                           "gpu": {"us": 46.0, "device_us": 20.0}}}
     new, old = tmp_path / "new.json", tmp_path / "old.json"
     new.write_text(json.dumps({"attention": [row]}))
     old.write_text(json.dumps({"attention": [{"name": "decode B=8", "impls": {
         "xla": {"us": 60.0}, "triton": {"us": 46.0, "device_us": 20.0}}}]}))
     assert pb.time_key(str(new)) == "device_us" and pb.time_key(str(old)) == "us"
     [r] = pb.rows_of(str(new), "device_us")
-    assert (r["xla"], r["default"], r["best_label"]) == (36.0, 20.0, "triton")
+    assert (r["xla"], r["default"], r["best_label"]) == (36.0, 20.0, "gpu")
+    # results labelled with the GPU kernel's earlier name "triton" plot the same
+    [r] = pb.rows_of(str(old), "us")
+    assert (r["xla"], r["default"], r["best_label"]) == (60.0, 46.0, "triton")
 
 
 def test_plot_topk_points_follow_the_default_segment(tmp_path):
     """The selection panel's "default" line takes, per row, the sweep entry of the segment
     ``default_segment`` picks (the one-stage entry where it picks one stage)."""
-    pb = _load("plot_benchmarks")
     sweep = [{"B": 1, "T": 32768, "impl": "radix", "device_us": 51.0},
              {"B": 1, "T": 32768, "impl": "kernel one stage", "device_us": 26.0},
              {"B": 1, "T": 32768, "impl": "kernel segment 8192", "device_us": 14.0},
@@ -89,13 +80,52 @@ def test_plot_topk_points_follow_the_default_segment(tmp_path):
                    (256, 32768, "default"): 60.0}
 
 
-def test_candidate_pool_row_on_cpu(bk):
+def test_candidate_pool_row_on_cpu():
     """The candidate-pool row: the release pool (2048 blocks of 8) over 32K scores, timed with
-    ``lax.top_k`` (the kernel's label only with ``triton``), its pool checked against itself."""
-    import jax
+    ``lax.top_k`` (the kernel's label only with ``gpu``), its pool checked against itself."""
     res = bk.candidate_pool_timings(["xla"], 1, 32768, jax.random.key(0), 2, 1)
     assert res["name"] == "candidate pool B=1 T=32768" and res["same_pool"] is True
     assert (res["blocks"], res["block"]) == (2048, 8)
     assert list(res["impls"]) == ["candidate pool, lax.top_k (xla)"]
     row = res["impls"]["candidate pool, lax.top_k (xla)"]
     assert row["us"] > 0 and row["device_us"] is None and len(row["kernels"]) <= 8
+
+
+def test_summary_table_marks_missing_numbers():
+    """A CPU run has no device times: the table shows "-" there, never "nan"."""
+    rows = [{"name": "decode B=8 T=4096", "best": "gpu",
+             "impls": {"gpu": {"us": 12.5}}, "speedup_vs_xla": 2.0}]
+    [_, _, line] = bk.summary_table(rows)
+    assert line == "| decode B=8 T=4096 | gpu | 12.5 | 2.00 | - | - | - | - | - |"
+
+
+def test_platform_family():
+    assert [bk.platform_family(b) for b in ("cuda", "gpu", "tpu", "cpu")] == \
+        ["gpu", "gpu", "tpu", None]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--inner", "0"], "argument --inner: must be >= 1, got 0"),
+    (["--reps", "-1"], "argument --reps: must be >= 1, got -1"),
+    (["--impls", "xla,triton"], "argument --impls: ['triton'] is not a list of xla, gpu, tpu"),
+    (["--rows", "B=8 T=4096;B=7 T=1"], "argument --rows: unknown rows ['B=7 T=1']"),
+    (["--tunings", "{bad"], "argument --tunings: not JSON"),
+    (["--tunings", '{"kv": "packed"}'], "argument --tunings: must be a JSON list of objects"),
+    (["--check", "--no-check"], "--check and --no-check exclude each other"),
+    (["--attention-only", "--no-attention"], "exclude each other"),
+])
+def test_bench_kernels_refuses(argv, match, capsys):
+    """Bad options: exit status 2 and one line naming the option, before anything runs."""
+    with pytest.raises(SystemExit) as e:
+        bk.parse_args(argv)
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("dsv41-bench-kernels: error: ") and match in last
+
+
+def test_profile_rows_build_on_cpu():
+    """The profiling tools' rows: an op and its inputs, runnable with the XLA path."""
+    fn, sets = bk.profile_row("decode B=1", "xla", {}, jax.random.key(0))
+    assert len(sets) == 4 and fn(*sets[0]).shape == (1, 1, bk.H, bk.K)
+    with pytest.raises(KeyError):
+        bk.profile_row("decode B=7", "xla", {}, jax.random.key(0))

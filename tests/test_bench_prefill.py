@@ -1,28 +1,21 @@
-"""scripts/bench_prefill.py and its pieces: the bench configs, random weights built on the
-device (same pytree as the loader's), and an in-process CPU smoke run of the benchmark."""
+"""The prefill benchmark (:mod:`benchmarks.prefill`) and its pieces: the bench configs, random
+weights built on the device (same pytree as the loader's), an in-process CPU smoke run of the
+benchmark and its refusals of bad options."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import bench_config, checkpoint, model, random_weights
+from benchmarks import config as bench_config
+from benchmarks import prefill as bp
+from dsv41_jax import checkpoint, random_weights
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.linear import dequant_weight
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_prefill.py")
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_prefill", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _leaves(tree):
@@ -32,7 +25,7 @@ def _leaves(tree):
 
 def test_bench_config_keeps_attention_and_layout():
     cfg, release = bench_config.bench_config()
-    ref = bench_config.ModelConfig.from_dict(release)
+    ref = ModelConfig.from_dict(release)
     for k in bench_config.ATTENTION_LAYOUT_KEYS:
         assert getattr(cfg, k) == getattr(ref, k), k
     red = bench_config.reductions(cfg, release)
@@ -80,85 +73,68 @@ def test_random_params_device_matches_loader_tree(variant):
     assert _leaves(got) == _leaves(ref)
 
 
-def test_predict_seconds():
-    bp = _load_script()
-    assert bp.predict_seconds([], 4096, "ced", 2, 2048) is None
-    done = [{"length": 4096, "mode": "ced", "seconds": 1.0}]
-    p = bp.predict_seconds(done, 16384, "ced", 2, 2048)
-    assert 4.0 < p < 10.0                                   # >= linear, with the warm-up
-    assert bp.predict_seconds(done, 4096, "exact", 2, 2048) > 2.0   # from CED, conservative
-    done.append({"length": 16384, "mode": "ced", "seconds": 8.0})   # quadratic growth seen
-    assert bp.predict_seconds(done, 65536, "ced", 2, 2048) >= 8.0 * 4 ** 1.5
-
-
 def test_bench_prefill_tiny(tmp_path, capsys):
-    """CED and exact on the tiny config, two lengths, chunked, compiled ahead in threads."""
-    bp = _load_script()
+    """CED and exact on the tiny config, two lengths of one capacity, chunked: the warm-up
+    compiles (the first length of each mode), the timed runs never do."""
     out = tmp_path / "bench.json"
-    res = bp.main(["--tiny", "--lengths", "64,128", "--capacity", "128", "--chunk", "64",
-                   "--compile-threads", "2", "--time-budget", "100000", "--no-progress",
-                   "--out", str(out)])
+    assert bp.main(["--tiny", "--lengths", "64,128", "--capacity", "128", "--chunk", "64",
+                    "--no-progress", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "CED/exact speedup" in text and "Engram: shrunk" in text
-    assert hasattr(model._chunk_jit, "lower")     # the precompiler put the jitted function back
     rec = json.loads(out.read_text())
     assert rec["reductions"]["n_layers"] == {"release": 40, "bench": 6}
     assert rec["device"] and rec["jax_version"] == jax.__version__
-    assert not rec["skipped"]
+    assert rec["kernel_impls"] and all(isinstance(i, str) for i in rec["kernel_impls"])
     runs = rec["runs"]
-    assert {(r["length"], r["mode"]) for r in runs} == {(64, "ced"), (64, "exact"),
-                                                       (128, "ced"), (128, "exact")}
+    assert [(r["length"], r["mode"]) for r in runs] == [(64, "ced"), (64, "exact"),
+                                                        (128, "ced"), (128, "exact")]
     for r in runs:
         assert "error" not in r, r.get("error")
-        assert r["tokens_per_s"] > 0 and r["seconds"] > 0
+        assert r["tokens_per_s"] > 0 and r["seconds"] > 0 and r["warmup_s"] > 0
         assert r["logits_finite"]
         assert r["state_pos_after"] == r["length"]
         assert r["chunks"] == r["length"] // 64
         assert r["xla_compiles_in_timed_run"] == 0
-        if rec["precompile_threads"]:
-            assert r["precompiled"] and r["xla_compiles_in_warmup"] == 0
+        # one capacity: the 128-token runs reuse what the 64-token runs compiled
+        assert (r["xla_compiles_in_warmup"] == 0) == (r["length"] == 128), r
     sp = {s["length"]: s for s in rec["speedups"]}
     assert set(sp) == {64, 128}
     for s in sp.values():
         assert s["speedup"] > 0
         assert s["speedup"] == pytest.approx(s["ced_tokens_per_s"] / s["exact_tokens_per_s"])
-    assert res["speedups"][0]["length"] == 64
-    for r in runs:   # XLA's memory plan of each compiled chunk function is recorded
-        if rec["precompile_threads"]:
-            assert r["xla_memory"]["temp_size_in_bytes"] >= 0
-
-
-def test_bench_prefill_dry_run(tmp_path, capsys):
-    """--dry-run: abstract weights, lowered and compiled through the public prefill, no run
-    (the shapes of the test above, so the compiles come from JAX's cache)."""
-    # the compile-ahead hook of the benchmark: if the model drops it, update the script
-    assert hasattr(getattr(model, "_chunk_jit", None), "lower")
-    bp = _load_script()
-    out = tmp_path / "dry.json"
-    bp.main(["--tiny", "--lengths", "64,128", "--capacity", "128", "--chunk", "64",
-             "--dry-run", "--out", str(out)])
-    assert "dry run (nothing executed)" in capsys.readouterr().out
-    rec = json.loads(out.read_text())
-    assert rec["runs"] == []
-    jobs = rec["precompile_jobs"]
-    assert [(j["capacity"], j["mode"], j["state"]) for j in jobs] == [(128, "ced", "done"),
-                                                                       (128, "exact", "done")]
-    assert all(j["xla_memory"]["argument_size_in_bytes"] > 0 for j in jobs)
-    assert hasattr(model._chunk_jit, "lower")
 
 
 def test_bench_prefill_max_chunks_projects(tmp_path, capsys):
     """--max-chunks times the first chunks only and projects the prompt's seconds from them
-    (marked as projected); --wait-file gates the timed runs (here: already there)."""
-    bp = _load_script()
-    out, gate = tmp_path / "mc.json", tmp_path / "go"
-    gate.write_text("")
-    bp.main(["--tiny", "--lengths", "128", "--capacity", "128", "--chunk", "64", "--modes",
-             "exact", "--max-chunks", "1", "--compile-threads", "0", "--wait-file", str(gate),
-             "--no-progress", "--out", str(out)])
+    (marked as projected)."""
+    out = tmp_path / "mc.json"
+    res = bp.benchmark(bp.parse_args(["--tiny", "--lengths", "128", "--capacity", "128",
+                                      "--chunk", "64", "--modes", "exact", "--max-chunks", "1",
+                                      "--no-progress", "--out", str(out)]))
     assert "* projected" in capsys.readouterr().out
     [r] = json.loads(out.read_text())["runs"]
     assert (r["chunks"], r["chunks_timed"], r["seconds_projected"]) == (2, 1, True)
     assert r["state_pos_after"] == 64 and r["xla_compiles_in_timed_run"] == 0
     assert r["seconds"] == pytest.approx(2 * r["ms_per_chunk"] / 1e3)
     assert r["tokens_per_s"] == pytest.approx(64 / r["timed_seconds"])
+    assert res["runs"][0]["_logits"].shape == (1, 512)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--chunk", "0"], "argument --chunk: must be >= 1, got 0"),
+    (["--lengths", "64,-1"], "argument --lengths: must be >= 1, got -1"),
+    (["--modes", "ced,fast"], "argument --modes: ['ced', 'fast'] is not a list of ced, exact"),
+    (["--warmup-chunks", "0"], "argument --warmup-chunks: must be >= 1, got 0"),
+    (["--max-chunks", "0"], "argument --max-chunks: must be >= 1, got 0"),
+    (["--experts", "4", "--activated", "6"], "--activated 6 is more than --experts 4"),
+    (["--lengths", "256", "--capacity", "128"], "--capacity 128 is below the longest length"),
+    (["--out", "no/such/dir/x.json"], "argument --out: no such directory: no/such/dir"),
+    (["--attn-impl", "bogus"], "bogus"),
+])
+def test_bench_prefill_refuses(argv, match, capsys):
+    """Bad options: exit status 2 and one line naming the option, before anything is built."""
+    with pytest.raises(SystemExit) as e:
+        bp.parse_args(["--tiny", *argv])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("dsv41-bench-prefill: error: ") and match in last

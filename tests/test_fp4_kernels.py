@@ -351,7 +351,7 @@ def test_triton_kernels_lower_for_h200(fmt, encode):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "triton_report.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "triton_report.py")
     spec = importlib.util.spec_from_file_location("triton_report", path)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)

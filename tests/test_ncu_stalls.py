@@ -1,4 +1,4 @@
-"""scripts/ncu_stalls.py on a small source-page CSV written as Nsight Compute writes it: the
+"""tools/ncu_stalls.py on a small source-page CSV written as Nsight Compute writes it: the
 stall totals, opcodes, loops and top instructions it reports (CPU; no ncu needed)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "ncu_stalls.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "tools", "ncu_stalls.py")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_profile_runs_ncu_on_the_row(ns, tmp_path, monkeypatch):
     assert prof[:2] == ["ncu", "--clock-control"] and "--set" in prof
     assert prof[prof.index("-k") + 1] == "regex:csa2|fp4"
     assert prof[prof.index("-o") + 1] == out
-    assert prof[prof.index("_kernel") + 1:] == ["--row", "decode B=8", "--impl", "triton",
+    assert prof[prof.index("_kernel") + 1:] == ["--row", "decode B=8", "--impl", "gpu",
                                                 "--tuning", "{}"]
     assert not os.path.exists(out + ".ncu-rep")
     assert json.load(open(out + "_summary.json"))["samples"] == 50

@@ -145,7 +145,7 @@ def test_asm_e4m3_decode_is_exact():
 
 
 def test_triton_report_lowers_the_chunked_kernel():
-    """scripts/triton_report.py's lowering (the part that needs no standalone triton): the
+    """tools/triton_report.py's lowering (the part that needs no standalone triton): the
     kernel's Triton IR has a score and a PV product per chunk and phase (2 phases x 8 chunks x
     2 at the release dims). Each chunk's decode is emitted for both; Triton's CSE merges them
     (with triton 3.6: 96 of the 192 inline-asm decodes remain after the TTIR passes, and one
@@ -153,7 +153,7 @@ def test_triton_report_lowers_the_chunked_kernel():
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "triton_report.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "triton_report.py")
     spec = importlib.util.spec_from_file_location("triton_report", path)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)

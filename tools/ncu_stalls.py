@@ -1,6 +1,6 @@
 """Where one kernel's warps wait: Nsight Compute's stall sampling, summarised.
 
-``profile_kernels.py`` says how long each kernel runs; this script says why, from the warp
+``tools/profile_kernels.py`` says how long each kernel runs; this script says why, from the warp
 stall samples ``ncu`` takes per SASS instruction (``--set full``):
 
 * the stall reasons over the whole kernel (long scoreboard = waiting on a global or local
@@ -10,15 +10,16 @@ stall samples ``ncu`` takes per SASS instruction (``--set full``):
   with its instruction count, trips and stall mix;
 * the instructions with the most samples, with their main stall reason.
 
-Two steps. On the GPU machine (``ncu`` on the PATH; the rows are ``profile_kernels.py``'s):
+Two steps. On the GPU machine (``ncu`` on the PATH; the rows are
+``benchmarks.kernels.PROFILE_ROWS``):
 
-    python scripts/ncu_stalls.py profile --row "decode B=256" --impl triton --out prof/b256
+    python tools/ncu_stalls.py profile --row "decode B=256" --impl gpu --out prof/b256
 
 runs ``ncu --set full`` on the row's sparse attention (or FP4) kernel, keeps the source page as
 CSV (``prof/b256.csv``; the ``.ncu-rep`` report is deleted unless ``--keep-report``) and the
 details page as text, and prints the summary. Anywhere, from a kept CSV:
 
-    python scripts/ncu_stalls.py report prof/b256.csv[.gz] [--top 30] [--json summary.json]
+    python tools/ncu_stalls.py report prof/b256.csv[.gz] [--top 30] [--json summary.json]
         [--ranges 2128:2281,2281:3121]   # the samples of instruction ranges (phases)
 
 ``ncu`` is run with ``--clock-control none`` (the device tool asks that the clocks be left
@@ -37,6 +38,10 @@ import re
 import shutil
 import subprocess
 import sys
+
+import jax
+
+from benchmarks.kernels import PROFILE_ROWS, profile_row
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -205,10 +210,7 @@ def print_summary(s: dict) -> None:
 
 def _run_kernel(args) -> int:
     """Call the row's op (compile + one warm-up + the profiled launch): ncu's target."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import jax
-    import profile_kernels as pk
-    fn, sets = pk._row_fn(args.row, args.impl, json.loads(args.tuning), jax.random.PRNGKey(0))
+    fn, sets = profile_row(args.row, args.impl, json.loads(args.tuning), jax.random.PRNGKey(0))
     f = jax.jit(fn)
     for _ in range(2):
         jax.block_until_ready(f(*sets[0]))
@@ -216,10 +218,8 @@ def _run_kernel(args) -> int:
 
 
 def _profile(args) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import profile_kernels as pk
-    if args.row not in pk.ROWS:
-        print(f"--row: one of {sorted(pk.ROWS)}, got {args.row!r}", file=sys.stderr)
+    if args.row not in PROFILE_ROWS:
+        print(f"--row: one of {sorted(PROFILE_ROWS)}, got {args.row!r}", file=sys.stderr)
         return 2
     if shutil.which("ncu") is None:
         print("ncu (Nsight Compute) is not on the PATH: run 'profile' on the GPU machine, "
@@ -258,25 +258,25 @@ def _profile(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="ncu_stalls", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     rp = sub.add_parser("report", help="summarise a kept source-page CSV")
-    rp.add_argument("csv")
-    rp.add_argument("--top", type=int, default=20)
+    rp.add_argument("csv", help="the source page CSV (plain or .gz) of 'profile'")
+    rp.add_argument("--top", type=int, default=20, help="instructions listed (default 20)")
     rp.add_argument("--json", default=None, help="also write the summary here")
     rp.add_argument("--ranges", default="", help="instruction ranges to break the samples down "
                     "by, e.g. '2128:2281,2281:3121' (half-open, the positions printed)")
     def row_args(p):
         p.add_argument("--row", default="decode B=256",
-                       help="a row of scripts/profile_kernels.py (ROWS)")
-        p.add_argument("--impl", default="triton")
+                       help="a row of benchmarks.kernels.PROFILE_ROWS (default 'decode B=256')")
+        p.add_argument("--impl", default="gpu", help="kernel family (default gpu)")
         p.add_argument("--tuning", default="{}", help="JSON dict of kernel tuning keywords")
     pp = sub.add_parser("profile", help="run ncu on a row (GPU machine)")
     row_args(pp)
     pp.add_argument("--out", required=True, help="path prefix of the files written")
     pp.add_argument("--kernel", default="csa2|fp4", help="kernel name regex for ncu")
-    pp.add_argument("--top", type=int, default=20)
-    pp.add_argument("--keep-report", action="store_true")
+    pp.add_argument("--top", type=int, default=20, help="instructions listed (default 20)")
+    pp.add_argument("--keep-report", action="store_true", help="keep the .ncu-rep report")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_kernel"]:   # the process ncu profiles (not a user command)
         kp = argparse.ArgumentParser(prog="ncu_stalls.py _kernel")

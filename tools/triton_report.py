@@ -15,12 +15,12 @@ spent:
 XLA bundles its own Triton, so the numbers are those of Triton 3.6 on the same IR: close, not
 identical. They predicted the H200 timings of the chunked kernel's variants (docs/benchmarks.md).
 
-    python scripts/triton_report.py --rows prefill --tuning '{"kv": "packed", "n_chunks": 8}'
-    python scripts/triton_report.py --rows prefill     # the dequantised rows' Triton kernel
+    python tools/triton_report.py --rows prefill --tuning '{"kv": "packed", "n_chunks": 8}'
+    python tools/triton_report.py --rows prefill     # the dequantised rows' Triton kernel
 
 (Rows of 64 heads x 512 with 128 programs or more run the Mosaic GPU kernels by default,
 ``kernel="mosaic_gpu"``, which are not Triton: the report covers ``kernel="triton"``.)
-    python scripts/triton_report.py --rows "decode B=8" --ttir-only --out /tmp/k.ttir
+    python tools/triton_report.py --rows "decode B=8" --ttir-only --out /tmp/k.ttir
 """
 
 from __future__ import annotations
@@ -35,14 +35,12 @@ import sys
 import tempfile
 from unittest import mock
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.triton import gpu_info, lowering
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax._src.pallas.triton import gpu_info, lowering  # noqa: E402
-
-from pallas_kernels.sparse_attention import triton as tk  # noqa: E402
-from pallas_kernels.sparse_attention import triton_dense as td  # noqa: E402
+from pallas_kernels.sparse_attention import triton as tk
+from pallas_kernels.sparse_attention import triton_dense as td
 
 # (B, S, T, window rows, window list, top-k) at the release dims (64 heads x 512)
 ROWS = {"prefill": (1, 256, 4096, 384, 128, 512), "decode B=8": (8, 1, 4096, 129, 128, 512),
@@ -159,8 +157,9 @@ def compile_report(ttir: str, num_warps: int, num_stages: int, workdir: str) -> 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="prefill", choices=sorted(ROWS))
+    ap = argparse.ArgumentParser(prog="triton_report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="prefill", choices=sorted(ROWS),
+                    help="the row whose kernel is reported (default prefill)")
     ap.add_argument("--tuning", default="{}", help="JSON dict of kernel tuning keywords")
     ap.add_argument("--ttir-only", action="store_true", help="only write the Triton IR")
     ap.add_argument("--out", default=None, help="write the Triton IR (or the report JSON) here")

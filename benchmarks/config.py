@@ -1,4 +1,4 @@
-"""Benchmark configurations: the release attention and layer layout with cheaper MoE / vocab.
+"""Benchmark configs: the release attention and layer layout with a cheaper MoE and vocabulary.
 
 :func:`bench_config` starts from ``configs/flash.json`` and keeps every attention and layout key
 (dim, the 40 layers, heads, head_dim, window, LoRA ranks, ``compress_ratios``, KV / index
@@ -31,6 +31,7 @@ import os
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers.engram import _next_prime
 
 FLASH_JSON = os.path.join(os.path.dirname(__file__), "..", "configs", "flash.json")
 
@@ -46,13 +47,9 @@ ATTENTION_LAYOUT_KEYS = (
 
 
 def load_release_dict(path: str | None = None) -> dict:
+    """The release config (``configs/flash.json``, or ``path``) as a dict."""
     with open(path or FLASH_JSON) as f:
         return json.load(f)
-
-
-def _next_prime(after: int) -> int:
-    from dsv41_jax.layers.engram import _next_prime as nxt
-    return nxt(after)
 
 
 def engram_table_rows(n_layers: int, vocab_size: int, max_ngram: int, n_heads: int) -> list[int]:
