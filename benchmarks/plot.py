@@ -131,7 +131,7 @@ def topk_panel(ax, paths: list[str]) -> None:
     ax.legend(fontsize=6, ncol=2, loc="lower right")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="plot_benchmarks", description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="*", help="dsv41-bench-kernels JSON files (attention panels)")
     ap.add_argument("--out", default="benchmarks.png", help="PNG to write (default "
@@ -139,6 +139,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", nargs="*", default=[], help="dsv41-bench-prefill JSON files")
     ap.add_argument("--titles", default=None, help="';'-separated panel titles of the JSON files")
     ap.add_argument("--topk", nargs="*", default=[], help="top-k selection sweep JSON files")
+    return ap
+
+
+def main(argv=None) -> int:
+    """Draw the panels of the given result files into ``--out``."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")

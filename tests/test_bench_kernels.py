@@ -129,3 +129,11 @@ def test_profile_rows_build_on_cpu():
     assert len(sets) == 4 and fn(*sets[0]).shape == (1, 1, bk.H, bk.K)
     with pytest.raises(KeyError):
         bk.profile_row("decode B=7", "xla", {}, jax.random.key(0))
+
+
+def test_every_option_of_the_commands_has_help():
+    from benchmarks import ced_vs_exact, prefill
+    from dsv41_jax.cli import generate
+    for mod in (bk, prefill, pb, ced_vs_exact, generate):
+        for action in mod.build_parser()._actions:
+            assert action.help, (mod.__name__, action.option_strings)

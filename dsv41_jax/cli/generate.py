@@ -26,6 +26,7 @@ import time
 import dsv41_jax  # first: sets the XLA numerics flag before JAX starts
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
@@ -45,7 +46,6 @@ RANDOM_WEIGHTS_MAX_BYTES = 16e9   # seeded random weights are built in host memo
 def random_weight_bytes(cfg: ModelConfig) -> int:
     """Bytes of the reference-format tensors of ``cfg`` (``checkpoint.expected_tensors``, each
     in its first allowed dtype): what its seeded random weights take in host memory."""
-    import ml_dtypes
     return sum(int(np.prod(shape)) * np.dtype(getattr(ml_dtypes, dts[0], None) or dts[0]).itemsize
                for shape, dts in checkpoint.expected_tensors(cfg).values())
 
@@ -273,7 +273,7 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, ids: list[int]) ->
     if tps is None:
         print("decode: no decode steps (the one token came from the prefill)")
     else:
-        print(f"decode: {steps} tokens in {t_dec:.2f}s = {tps:.1f} tokens/s")
+        print(f"decode: {steps} token{'s' * (steps > 1)} in {t_dec:.2f}s = {tps:.1f} tokens/s")
     for line in state_report(cfg, state):
         print("state: " + line)
     return {"prompt_tokens": n, "generated": generated, "ttft_s": ttft,
