@@ -114,7 +114,11 @@ def op_cost(B, S, T):
 # ----------------------------------------------------------------------------- rows
 
 
-def attn_row(name, B, S, T, *, prefill, impls, tunings, inner, reps, roof, key):
+def attn_row(name, B, S, T, *, prefill, impls, tunings, inner, reps, roof, key) -> dict:
+    """One sparse attention row (B x S queries over T main-KV entries): every implementation
+    of ``impls`` (the GPU family once per tuning of ``tunings``) timed on distinct input sets,
+    with rates and roofline fractions (:func:`benchmarks.timing.rates`) and the best kernel
+    (:func:`benchmarks.timing.best`). An implementation that fails is recorded with its error."""
     flops, byts = op_cost(B, S, T)
     # distinct inputs per call, enough that the calls of one timed jit do not hit in L2
     n_in = int(min(64, max(inner if B * S < 4096 else 2, -(-256e6 // byts))))
@@ -230,7 +234,7 @@ def indexer_rows(impls, inner, reps, roof, key):
 
 
 def candidate_pool_timings(impls, B, T, key, n_sets, reps) -> dict:
-    """The candidate pool of one decode step (spec 3.7: block maxima of B x T index scores,
+    """The candidate pool of one decode step (block maxima of B x T index scores,
     blocks of ``CANDIDATE_BLOCK``, the top ``CANDIDATE_BLOCKS`` of them, the mask) with the
     reference's ``lax.top_k`` and (with ``gpu`` in ``impls``) the selection kernel; device
     times. Both pools are asserted equal first."""

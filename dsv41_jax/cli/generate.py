@@ -71,10 +71,13 @@ def state_report(cfg: ModelConfig, state: dict) -> list[str]:
                      f" B + indexer K {src['index'].shape[-1] + src['index_scale'].shape[-1]} B "
                      f"per entry){tail}")
     toks = max(int(pos.max()), 1)
-    release = st.global_kv_bytes_per_token(ModelConfig.from_json(RELEASE_CONFIG), 4096)
+    release = ""
+    if os.path.isfile(RELEASE_CONFIG):
+        per = st.global_kv_bytes_per_token(ModelConfig.from_json(RELEASE_CONFIG), 4096)
+        release = f"; release config: {per:.0f} B/token"
     lines.append(f"global KV: {total} B for {toks} tokens = {total / toks:.1f} B/token "
-                 f"(capacity layout: {st.global_kv_bytes_per_token(cfg, 4096):.1f} B/token; "
-                 f"release config: {release:.0f} B/token)")
+                 f"(capacity layout: {st.global_kv_bytes_per_token(cfg, 4096):.1f} B/token"
+                 f"{release})")
     ring = sum(r["kv"].nbytes + r["scale"].nbytes for r in state["window"].values()) // pos.size
     lines.append(f"window rings: {len(state['window'])} layers x {cfg.window_size} slots, "
                  f"{ring} B per row (FP8 e4m3 + E8M0 per 32)")
@@ -188,7 +191,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
                 ap.error(f"argument --checkpoint: {args.checkpoint} has no config.json "
                          "(pass --config)")
         else:
-            args.config = args.config or DEFAULT_CONFIG
+            if args.config is None:
+                if not os.path.isfile(DEFAULT_CONFIG):
+                    ap.error(f"the default config {DEFAULT_CONFIG} is missing (it is part of "
+                             "the repository checkout): pass --config or --checkpoint")
+                args.config = DEFAULT_CONFIG
             cfg = ModelConfig.from_json(args.config)
             need = random_weight_bytes(cfg)
             if need > RANDOM_WEIGHTS_MAX_BYTES:
