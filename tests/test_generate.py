@@ -115,3 +115,11 @@ def test_script_shim_refuses_too(tmp_path):
                         "--max-new-tokens", "0"], capture_output=True, text=True, env=env)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].endswith("--max-new-tokens: must be >= 1, got 0")
+
+
+def test_decode_line_never_prints_nan():
+    """With --max-new-tokens 1 the one token comes from the prefill: no rate, no "nan"."""
+    assert generate.decode_line(0, 0.0) == \
+        "decode: no decode steps (the one token came from the prefill)"
+    assert generate.decode_line(1, 0.5) == "decode: 1 token in 0.50s = 2.0 tokens/s"
+    assert generate.decode_line(4, 2.0) == "decode: 4 tokens in 2.00s = 2.0 tokens/s"

@@ -211,6 +211,15 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
 # ----------------------------------------------------------------------------- run
 
 
+def decode_line(steps: int, seconds: float) -> str:
+    """The report's decode line for ``steps`` decode steps in ``seconds`` (no rate without a
+    step)."""
+    if steps < 1:
+        return "decode: no decode steps (the one token came from the prefill)"
+    rate = f" = {steps / seconds:.1f} tokens/s" if seconds > 0 else ""
+    return f"decode: {steps} token{'s' * (steps > 1)} in {seconds:.2f}s{rate}"
+
+
 def _warm_decode(params, cfg, capacity):
     """Compile decode_step on a throwaway state (run beside the prefill)."""
     s = st.init_state(cfg, 1, capacity)
@@ -277,10 +286,7 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, ids: list[int]) ->
     print(args.text + bold + tokenizer.decode(tok, generated) + plain)
     print("-" * 72)
     print(f"time to first token: {ttft:.2f}s (prefill mode {args.mode}, compilation included)")
-    if tps is None:
-        print("decode: no decode steps (the one token came from the prefill)")
-    else:
-        print(f"decode: {steps} token{'s' * (steps > 1)} in {t_dec:.2f}s = {tps:.1f} tokens/s")
+    print(decode_line(steps, t_dec))
     for line in state_report(cfg, state):
         print("state: " + line)
     return {"prompt_tokens": n, "generated": generated, "ttft_s": ttft,
