@@ -140,8 +140,7 @@ def _check(x, fmt, impl, **tuning):
 
 
 def _inf_blocks(block: int, rng: np.random.Generator) -> np.ndarray:
-    """Blocks holding +-inf. (NaN is left out: the jitted reference's fused max may drop it,
-    the eager one propagates it; the kernels propagate it.)"""
+    """Blocks holding +-inf (NaN: :func:`test_nan_in_a_block_dequantises_to_nan`)."""
     blocks = _bf(rng.standard_normal((3, block)))
     blocks[0, 3], blocks[1, 5], blocks[2, 7], blocks[2, 8] = np.inf, -np.inf, np.inf, -np.inf
     return blocks
@@ -384,3 +383,50 @@ def test_asm_e4m3_scale_is_exact_for_every_bf16_amax():
         exact = ptx_emu.bf16_bits(np.float32(b) * s)
         np.testing.assert_array_equal(got & 0xFFFF, exact)
         np.testing.assert_array_equal(got >> 16, exact)
+
+
+# ----------------------------------------------------------------------------- NaN
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_nan_in_a_block_dequantises_to_nan(fmt):
+    """Both formats propagate a NaN the same way: the block holding it gets the NaN scale
+    (E4M3's NaN code, the E8M0 byte 255) and dequantises to NaN in every position, eager and
+    jitted, in the jnp reference and in the kernels; the other blocks keep their values."""
+    block = fp4.block_size(fmt)
+    scale_fmt = SCALE_FMT[fmt]
+    rng = np.random.default_rng(11)
+    x = _bf(rng.standard_normal((4, 128)) * 3)
+    nan_at = [(1, block + 3), (3, 0)]          # the second block of row 1, the first of row 3
+    x_nan = x.copy()
+    for r, c in nan_at:
+        x_nan[r, c] = np.nan
+    in_nan_block = np.zeros(x.shape, bool)
+    for r, c in nan_at:
+        in_nan_block[r, c // block * block:(c // block + 1) * block] = True
+    clean = np.asarray(quant.fp4_qdq(jnp.asarray(x, jnp.bfloat16), block, scale_fmt), np.float32)
+
+    def check(deq, what):
+        deq = np.asarray(deq, np.float32)
+        assert np.isnan(deq[in_nan_block]).all(), what
+        np.testing.assert_array_equal(deq[~in_nan_block], clean[~in_nan_block], what)
+
+    xj = jnp.asarray(x_nan, jnp.bfloat16)
+    for name, qdq in (("eager", quant.fp4_qdq),
+                      ("jit", jax.jit(quant.fp4_qdq, static_argnums=(1, 2)))):
+        check(qdq(xj, block, scale_fmt), f"{fmt} reference {name}")
+    codes, scale = quant.fp4_quantize(xj, block, scale_fmt)
+    sbytes = np.asarray(jax.lax.bitcast_convert_type(scale, jnp.uint8)) if fmt == "main" else \
+        np.asarray(scale)
+    nan_byte = 0x7F if fmt == "main" else 0xFF
+    assert [int(sbytes[r, c // block]) & 0x7F if fmt == "main" else int(sbytes[r, c // block])
+            for r, c in nan_at] == [nan_byte] * 2
+    for impl in ("xla",) + IMPLS:
+        packed, scale = fp4.quantize_pack(xj, fmt, impl=impl)
+        check(fp4.unpack_dequantize(packed, scale, fmt, impl=impl), f"{fmt} {impl}")
+        _assert_same(packed, quant.pack_nibbles(codes), f"{fmt} {impl} packed")
+    # the in-kernel scale of a NaN amax
+    from pallas_kernels.fp4 import common as codec
+    nan_bits = jnp.asarray([0x7FC00000, 0x7F800001], jnp.int32)
+    byte, s = codec.scale_from_amax(nan_bits, fmt)
+    assert (np.asarray(byte) == nan_byte).all() and np.isnan(np.asarray(s)).all()

@@ -2,8 +2,8 @@
 
 One program per query row: the ``k`` largest of the row's ``T`` scores, as positions in
 ascending order, ``-1`` after the last pick. The result is the same, bit for bit, as
-:func:`dsv41_jax.layers.indexer.select_topk_radix` (its reference: XLA, no sort) and so as
-:func:`dsv41_jax.layers.indexer.select_topk` (``lax.top_k`` + sort) on the indexer's
+:func:`.reference.select_topk_radix` (its reference: XLA, no sort) and so as
+:func:`.reference.select_topk` (``lax.top_k`` + sort) on the indexer's
 bf16-representable fp32 scores: ties go to the lower position, ``-inf`` and NaN are never
 picked, ``-0 < +0`` (IEEE total order on the 16-bit order keys).
 
@@ -171,7 +171,7 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, interpret: bool = False
                 ) -> Int[Array, "B S k"]:
     """Top-``k`` positions of each row of ``score`` (fp32 [B, S, T], bf16-representable values,
     ``-inf`` / NaN allowed), ascending, ``-1`` after the last pick: int32 [B, S, min(k, T)].
-    Bit for bit :func:`dsv41_jax.layers.indexer.select_topk_radix` (spec 3.6f).
+    Bit for bit :func:`.reference.select_topk_radix` (spec 3.6f).
 
     Rows longer than ``segment`` scores (a power of two; default :func:`default_segment`;
     :data:`MAX_TILE`: one stage) with ``2 k <= segment`` are selected in stages: each

@@ -11,7 +11,7 @@ Channels are handled as 8 classes: int32 word w of a row holds the nibbles of ch
 class; the dot is the sum over classes of ``q_c k_c^T`` (q read with a stride of 8). Channel
 8w + c has scale byte w // 4 (32 channels per scale).
 
-Numerics are the XLA path's (:func:`dsv41_jax.layers.indexer.index_scores`): ``dot`` rounded to
+Numerics are the XLA path's (:func:`.reference.index_scores`): ``dot`` rounded to
 bf16, ``bf16(relu(dot) * w_h)``, the fp32 sum over heads rounded to bf16, ``-inf`` for entries
 at or past ``visible``. Only the fp32 summation order of the dot and of the head sum differs,
 so a score can differ from XLA's by a bf16 rounding.
