@@ -42,7 +42,7 @@ instructions and runs unchanged in Pallas interpret mode on CPU. The state never
 fp8 NaN codes (the quantisers clip); the kernel would decode them as +-480, where the XLA path
 gives NaN. Listed indices are clamped to the array like the XLA path's gather.
 
-Resource use of the GPU build can be read on a CPU machine: ``scripts/triton_report.py``
+Resource use of the GPU build can be read on a CPU machine: ``tools/triton_report.py``
 lowers the kernel for an H200 and, with the standalone ``triton`` package installed, compiles
 it for sm_90a and prints registers, spills and the instruction mix.
 """
