@@ -178,3 +178,43 @@ def test_fp4_row_pieces():
     # the scales in the range (the codes above 2**32 bytes): pieces of 2**31 code bytes
     pieces = fp4_triton.row_pieces(2 ** 27, (256, 32))
     assert len(pieces) == 16 and pieces[-1] == (15 * 2 ** 23, 2 ** 27)
+
+
+def _mosaic_gpu_module(f, *args) -> str:
+    """The Mosaic GPU kernel module (MLIR text, before serialisation) of ``f``, lowered for a
+    GPU on any machine."""
+    import jax.experimental.mosaic.gpu.core as mgpu_core
+    texts = []
+    serde = mgpu_core._run_serde_pass
+
+    def capture(module, **kw):
+        texts.append(module.operation.get_asm(enable_debug_info=False))
+        return serde(module, **kw)
+
+    with mock.patch.object(mgpu_core, "_run_serde_pass", capture):
+        jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
+    [text] = texts
+    return text
+
+
+@pytest.mark.parametrize("kind", ["packed", "rows"])
+def test_mosaic_gpu_global_addresses_are_64_bit(kind):
+    """The Mosaic GPU kernels' producers compute their global-memory addresses themselves:
+    every ``getelementptr`` into global memory takes a 64-bit offset (row x row bytes widened
+    before the multiply) or a small constant, at 2**26 + 64 main-KV entries (2**31 + 2048
+    bytes of scales) or a bf16 row array of 2**22 + 64 rows (2**32 + 65536 bytes)."""
+    from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
+    if kind == "packed":
+        f = functools.partial(mr.sparse_attention_packed, scale=512 ** -0.5, n_splits=1)
+        args = _attention_args(1, 2 ** 26 + 64)
+    else:
+        f = functools.partial(mr.sparse_attention_rows, scale=512 ** -0.5)
+        args = (SDS((1, 1, 64, 512), jnp.bfloat16), SDS((1, 2 ** 22 + 64, 512), jnp.bfloat16),
+                SDS((1, 1, 640), jnp.int32), SDS((64,), jnp.float32))
+    text = _mosaic_gpu_module(f, *args)
+    defs = dict(re.findall(r"^\s*(%[\w#]+) = (.*)$", text, re.M))
+    geps = re.findall(r"llvm\.getelementptr %[\w#]+\[(%[\w#]+)\] : \(!llvm\.ptr<1>, (i\d+)\)",
+                      text)
+    assert len(geps) >= 32
+    for idx, ty in geps:
+        assert ty == "i64" or re.match(r"arith\.constant \d+ : i32", defs[idx]), (idx, ty)
