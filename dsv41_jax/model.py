@@ -113,7 +113,7 @@ def _logits_at(params, cfg, X, pre_mix, last):
     return head_logits(params, cfg, X_last, pm_last)[1]
 
 
-def kernel_impls(cfg: ModelConfig, attn_impl: str, backend: str | None = None
+def kernel_impls(cfg: ModelConfig, attn_impl: str, *, backend: str | None = None
                  ) -> tuple[str, str, str]:
     """``(sparse attention, indexer scores, indexer top-k)`` kernel families for the model's
     family ``attn_impl`` (:data:`pallas_kernels.impls.FAMILIES`) on ``backend`` (default:
