@@ -118,8 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.cfg, args.release = (
             bench_config.tiny_config(args.engram) if args.tiny else
             bench_config.bench_config(args.experts, args.activated, args.vocab, args.engram))
-        args.impls = model.kernel_impls(args.cfg, args.attn_impl, min(args.chunk,
-                                                                      max(args.lengths)))
+        args.impls = model.kernel_impls(args.cfg, args.attn_impl)
     except ValueError as e:
         ap.error(" ".join(str(e).split()))
     return args

@@ -29,6 +29,7 @@ from dsv41_jax.layers.attention import Chunk, attention, kv_source_update
 from dsv41_jax.layers.linear import rms_norm
 from dsv41_jax.layers.moe import moe
 from dsv41_jax.layers.rope import rope_frequencies
+from pallas_kernels.impls import check_family
 from pallas_kernels.indexer import impl_for_family, select_impl_for_family
 from pallas_kernels.sparse_attention import resolve_impl
 
@@ -112,16 +113,16 @@ def _logits_at(params, cfg, X, pre_mix, last):
     return head_logits(params, cfg, X_last, pm_last)[1]
 
 
-def kernel_impls(cfg: ModelConfig, attn_impl: str, rows: int, backend: str | None = None
+def kernel_impls(cfg: ModelConfig, attn_impl: str, *, backend: str | None = None
                  ) -> tuple[str, str, str]:
-    """``(sparse attention, indexer scores, indexer top-k)`` implementations for the kernel
-    family ``attn_impl`` and a call of ``rows = B * S`` query rows on ``backend`` (default:
-    JAX's): the attention by rows and shapes (:func:`pallas_kernels.sparse_attention.
-    resolve_impl`), the indexer's two at every batch size, from the family itself
-    (:func:`pallas_kernels.indexer.impl_for_family`, :func:`~pallas_kernels.indexer.
-    select_impl_for_family`). Raises ``ValueError`` for an unknown family."""
-    return (resolve_impl(attn_impl, backend, rows=rows, heads=cfg.n_heads,
-                         head_dim=cfg.head_dim),
+    """``(sparse attention, indexer scores, indexer top-k)`` kernel families for the model's
+    family ``attn_impl`` (:data:`pallas_kernels.impls.FAMILIES`) on ``backend`` (default:
+    JAX's): the attention by its shapes (:func:`pallas_kernels.sparse_attention.resolve_impl`),
+    the indexer's two from the family itself (:func:`pallas_kernels.indexer.impl_for_family`,
+    :func:`~pallas_kernels.indexer.select_impl_for_family`). Raises ``ValueError`` for an
+    unknown family or an old name."""
+    check_family(attn_impl, "attn_impl")
+    return (resolve_impl(attn_impl, backend, heads=cfg.n_heads, head_dim=cfg.head_dim),
             impl_for_family(attn_impl, cfg.index_n_heads, cfg.index_head_dim, backend),
             select_impl_for_family(attn_impl, backend))
 
@@ -299,10 +300,10 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         bool [B, S] ``image_mask`` is set (image spans, spec 8.4).
       batch_invariant: run the rows one at a time (``lax.map``) so each row's result is
         bitwise that of a batch of one (slower for large batches).
-      attn_impl: kernel family (``pallas_kernels.sparse_attention.IMPLS``) for the sparse
-        attention and the FP4 state writes: ``"auto"`` picks the Triton kernels on GPU (for
-        the shapes they tile) and the XLA path otherwise (CPU, TPU); ``"xla"``, ``"triton"``,
-        ``"mosaic_tpu"`` (and their ``*_interpret`` variants) force one. The indexer scores
+      attn_impl: kernel family (:data:`pallas_kernels.impls.FAMILIES`) for the sparse
+        attention and the FP4 state writes: ``"auto"`` picks the GPU kernels on a GPU (for
+        the shapes they tile) and the XLA path otherwise (CPU, TPU); ``"xla"``, ``"gpu"``,
+        ``"tpu"`` (and their ``*_interpret`` variants) force one. The indexer scores
         and top-k follow the family too (:func:`pallas_kernels.indexer.impl_for_family`,
         :func:`~pallas_kernels.indexer.select_impl_for_family`).
 
@@ -331,9 +332,7 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     _check_capacity(cfg, state, lengths)
     fresh = not np.asarray(state["pos"]).any()
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
-    # the kernel choice depends on the rows of one call: with batch_invariant a row runs alone
-    rows = (1 if batch_invariant else B) * S
-    static = Static(cfg, collect, batch_invariant, *kernel_impls(cfg, attn_impl, rows))
+    static = Static(cfg, collect, batch_invariant, *kernel_impls(cfg, attn_impl))
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
     return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
                       jnp.asarray(compat_stale_index_k), static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
@@ -347,8 +346,7 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
     ``(logits fp32 [B, V], state)`` (the state is donated). Raises ``ValueError`` for a token
     outside [0, vocab), a batch mismatch, a full state or an unknown attn_impl.
     """
-    rows = 1 if batch_invariant else int(np.asarray(tokens).size)
-    impls = kernel_impls(cfg, attn_impl, rows)
+    impls = kernel_impls(cfg, attn_impl)
     tokens = np.asarray(tokens).reshape(-1)
     B = state["pos"].shape[0]
     if tokens.shape != (B,):

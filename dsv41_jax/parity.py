@@ -119,7 +119,7 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str
     out = []
     base = pack_sources(cfg, st.init_state(cfg, B, cap), f, "after_prefill")
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    attn_i, index_i, select_i = model.kernel_impls(cfg, attn_impl, B * S)
+    attn_i, index_i, select_i = model.kernel_impls(cfg, attn_impl)
     ch = model._make_chunk(cfg, pos, jnp.ones((B, S), bool), jnp.zeros(B, jnp.int32),
                            jnp.full(B, S, jnp.int32), jnp.zeros(B, jnp.int32), False, False,
                            attn_i, index_impl=index_i, select_impl=select_i)

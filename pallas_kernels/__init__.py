@@ -1,5 +1,10 @@
-"""Pallas kernels of dsv41-jax: CSA2 sparse attention and the FP4 codec (architecture 6).
+"""Pallas kernels of dsv41-jax: CSA2 sparse attention, the lightning indexer's scores and top-k,
+and the FP4 codec.
 
-Every kernel has a pure-jnp reference beside it and is tested against it in interpret mode on
-CPU and on real hardware (``scripts/bench_kernels.py --check``).
+A leaf package: it imports nothing from the model package. Each op package holds its shared
+primitives (``common.py``), its pure-jnp references (``reference.py``), the kernels in their
+own modules, and one dispatch (the package itself; :mod:`.sparse_attention.gpu` within the GPU
+family) choosing the implementation from the kernel family ``impl`` (:mod:`.impls`). Every
+kernel is tested against its reference in Pallas interpret mode on CPU and on real hardware
+(the kernel benchmark's ``--check``).
 """

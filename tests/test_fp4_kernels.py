@@ -19,8 +19,8 @@ from pallas_kernels import fp4
 BF16 = ml_dtypes.bfloat16
 FMTS = ("main", "index")
 # on a GPU machine (the H200 runs of this file) the compiled Triton kernels are tested too
-IMPLS = ("triton_interpret", "mosaic_tpu_interpret") + (
-    ("triton",) if jax.default_backend() == "gpu" else ())
+IMPLS = ("gpu_interpret", "tpu_interpret") + (
+    ("gpu",) if jax.default_backend() == "gpu" else ())
 SCALE_FMT = {"main": "e4m3", "index": "e8m0"}
 E2M1 = quant.E2M1_VALUES
 BOUNDS = np.array([b for b, _ in quant._E2M1_BOUNDS], np.float32)
@@ -140,8 +140,7 @@ def _check(x, fmt, impl, **tuning):
 
 
 def _inf_blocks(block: int, rng: np.random.Generator) -> np.ndarray:
-    """Blocks holding +-inf. (NaN is left out: the jitted reference's fused max may drop it,
-    the eager one propagates it; the kernels propagate it.)"""
+    """Blocks holding +-inf (NaN: :func:`test_nan_in_a_block_dequantises_to_nan`)."""
     blocks = _bf(rng.standard_normal((3, block)))
     blocks[0, 3], blocks[1, 5], blocks[2, 7], blocks[2, 8] = np.inf, -np.inf, np.inf, -np.inf
     return blocks
@@ -159,13 +158,13 @@ def test_adversarial_and_random(fmt, impl):
     # random rows up to ~19k values: 38 rows of 512 and 150 of 128, > 32 Mosaic lines each
     blocks = np.concatenate([blocks, _bf(_random_rows((19200 // block - len(blocks), block),
                                                       rng))])
-    tuning = dict(block_rows=8 if impl.startswith("triton") else 32)
+    tuning = dict(block_rows=8 if impl.startswith("gpu") else 32)
     scales, ties = [], 0
     for k, lead in ((512, 3), (128, 1)):
         x = _rows(blocks, k, rng, lead)
         x = x[0] if lead == 1 else x
         lines = x.size // k  # rows; Mosaic puts two rows of K = 128 in one line
-        lines = -(-lines // 2) if k == 128 and impl.startswith("mosaic") else lines
+        lines = -(-lines // 2) if k == 128 and impl.startswith("tpu") else lines
         assert lines > tuning["block_rows"] and lines % tuning["block_rows"], lines
         scale = _check(x, fmt, impl, **tuning)[1]
         scales.append(_bytes(scale))
@@ -224,7 +223,7 @@ def test_unpack_every_byte(fmt, impl):
 
 def test_codec_scales_exhaustive():
     """The in-kernel scale arithmetic alone, on every bf16 amax, against the reference."""
-    from pallas_kernels.fp4 import codec
+    from pallas_kernels.fp4 import common as codec
     v = np.arange(0, 0x7F81, dtype=np.uint16).view(BF16)
     amax_bits = jnp.asarray(v.astype(np.float32).view(np.int32))
     x = jnp.zeros((v.size, 32), jnp.bfloat16).at[:, 5].set(jnp.asarray(v))
@@ -259,7 +258,7 @@ def test_errors_and_dispatch():
         fp4.unpack_dequantize(packed[:, :24], scale, "main", impl="xla")
     with pytest.raises(ValueError, match="scale"):
         fp4.unpack_dequantize(packed, scale, "index", impl="xla")
-    assert fp4.resolve_impl("auto", "gpu") == "triton"
+    assert fp4.resolve_impl("auto", "gpu") == "gpu"
     assert fp4.resolve_impl("auto", "tpu") == "xla"   # the Mosaic kernels are opt-in
     assert fp4.resolve_impl("auto", "cpu") == "xla"
     assert fp4.resolve_impl("auto") == "xla"  # CPU here
@@ -268,7 +267,7 @@ def test_errors_and_dispatch():
         p, s = fp4.quantize_pack(jnp.zeros((0, 3, 128), jnp.bfloat16), "index", impl=impl)
         assert p.shape == (0, 3, 64) and s.shape == (0, 3, 4)
         assert fp4.unpack_dequantize(p, s, "index", impl=impl).shape == (0, 3, 128)
-    f = jax.jit(functools.partial(fp4.quantize_pack, fmt="main", impl="triton_interpret"))
+    f = jax.jit(functools.partial(fp4.quantize_pack, fmt="main", impl="gpu_interpret"))
     _assert_same(f(x)[1], scale)
 
 
@@ -279,11 +278,11 @@ def test_mosaic_lowering_for_tpu(fmt):
     scale_dtype = jnp.float8_e4m3fn if fmt == "main" else jnp.uint8
     for k in (512, 128):
         x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
-        q = jax.jit(functools.partial(fp4.quantize_pack, fmt=fmt, impl="mosaic_tpu"))
+        q = jax.jit(functools.partial(fp4.quantize_pack, fmt=fmt, impl="tpu"))
         assert "tpu_custom_call" in jax.export.export(q, platforms=("tpu",))(x).mlir_module()
         p = jax.ShapeDtypeStruct((300, k // 2), jnp.uint8)
         s = jax.ShapeDtypeStruct((300, k // block), scale_dtype)
-        d = jax.jit(functools.partial(fp4.unpack_dequantize, fmt=fmt, impl="mosaic_tpu"))
+        d = jax.jit(functools.partial(fp4.unpack_dequantize, fmt=fmt, impl="tpu"))
         assert "tpu_custom_call" in jax.export.export(d, platforms=("tpu",))(p, s).mlir_module()
 
 
@@ -355,11 +354,11 @@ def test_triton_kernels_lower_for_h200(fmt, encode):
     spec = importlib.util.spec_from_file_location("triton_report", path)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    q = jax.jit(functools.partial(fp4.quantize_pack, fmt=fmt, impl="triton", encode=encode))
+    q = jax.jit(functools.partial(fp4.quantize_pack, fmt=fmt, impl="gpu", encode=encode))
     [ttir] = report.capture_ttir(q, jax.ShapeDtypeStruct((300, 512), jnp.bfloat16))
     assert ttir.count("set.gt.u32.bf16x2") == (4 if encode == "asm" else 0)
     with pytest.raises(ValueError, match="encode"):
-        fp4.quantize_pack(jnp.zeros((2, 64), jnp.bfloat16), fmt, impl="triton_interpret",
+        fp4.quantize_pack(jnp.zeros((2, 64), jnp.bfloat16), fmt, impl="gpu_interpret",
                           encode="ptx")
 
 
@@ -368,7 +367,7 @@ def test_asm_e4m3_scale_is_exact_for_every_bf16_amax():
     inf, NaN), the scale byte equals the codec's (itself checked against the reference above)
     and the seven boundary pairs are ``b * s`` exactly, in both halves."""
     import ptx_emu
-    from pallas_kernels.fp4 import codec
+    from pallas_kernels.fp4 import common as codec
     from pallas_kernels.fp4 import triton as ftk
     bits = np.concatenate([np.arange(0, 0x7F81), [0x7FC0, 0x7F81]]).astype(np.uint32) << 16
     run = lambda ptx, x: ptx_emu.run_ptx(ptx.replace("$0", "out").replace("$1", "x"),  # noqa
@@ -384,3 +383,50 @@ def test_asm_e4m3_scale_is_exact_for_every_bf16_amax():
         exact = ptx_emu.bf16_bits(np.float32(b) * s)
         np.testing.assert_array_equal(got & 0xFFFF, exact)
         np.testing.assert_array_equal(got >> 16, exact)
+
+
+# ----------------------------------------------------------------------------- NaN
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_nan_in_a_block_dequantises_to_nan(fmt):
+    """Both formats propagate a NaN the same way: the block holding it gets the NaN scale
+    (E4M3's NaN code, the E8M0 byte 255) and dequantises to NaN in every position, eager and
+    jitted, in the jnp reference and in the kernels; the other blocks keep their values."""
+    block = fp4.block_size(fmt)
+    scale_fmt = SCALE_FMT[fmt]
+    rng = np.random.default_rng(11)
+    x = _bf(rng.standard_normal((4, 128)) * 3)
+    nan_at = [(1, block + 3), (3, 0)]          # the second block of row 1, the first of row 3
+    x_nan = x.copy()
+    for r, c in nan_at:
+        x_nan[r, c] = np.nan
+    in_nan_block = np.zeros(x.shape, bool)
+    for r, c in nan_at:
+        in_nan_block[r, c // block * block:(c // block + 1) * block] = True
+    clean = np.asarray(quant.fp4_qdq(jnp.asarray(x, jnp.bfloat16), block, scale_fmt), np.float32)
+
+    def check(deq, what):
+        deq = np.asarray(deq, np.float32)
+        assert np.isnan(deq[in_nan_block]).all(), what
+        np.testing.assert_array_equal(deq[~in_nan_block], clean[~in_nan_block], what)
+
+    xj = jnp.asarray(x_nan, jnp.bfloat16)
+    for name, qdq in (("eager", quant.fp4_qdq),
+                      ("jit", jax.jit(quant.fp4_qdq, static_argnums=(1, 2)))):
+        check(qdq(xj, block, scale_fmt), f"{fmt} reference {name}")
+    codes, scale = quant.fp4_quantize(xj, block, scale_fmt)
+    sbytes = np.asarray(jax.lax.bitcast_convert_type(scale, jnp.uint8)) if fmt == "main" else \
+        np.asarray(scale)
+    nan_byte = 0x7F if fmt == "main" else 0xFF
+    assert [int(sbytes[r, c // block]) & 0x7F if fmt == "main" else int(sbytes[r, c // block])
+            for r, c in nan_at] == [nan_byte] * 2
+    for impl in ("xla",) + IMPLS:
+        packed, scale = fp4.quantize_pack(xj, fmt, impl=impl)
+        check(fp4.unpack_dequantize(packed, scale, fmt, impl=impl), f"{fmt} {impl}")
+        _assert_same(packed, quant.pack_nibbles(codes), f"{fmt} {impl} packed")
+    # the in-kernel scale of a NaN amax
+    from pallas_kernels.fp4 import common as codec
+    nan_bits = jnp.asarray([0x7FC00000, 0x7F800001], jnp.int32)
+    byte, s = codec.scale_from_amax(nan_bits, fmt)
+    assert (np.asarray(byte) == nan_byte).all() and np.isnan(np.asarray(s)).all()

@@ -58,7 +58,7 @@ def test_kernel_matches_spec(B, S, I, J, T, tune):
     q, w, codes, scale = _inputs(B, S, I, J, T)
     visible = jnp.asarray(np.random.default_rng(0).integers(0, T + 1, (B, S)), jnp.int32)
     visible = visible.at[0, 0].set(T).at[-1, -1].set(0)      # all entries, and none
-    got = np.asarray(pidx.index_scores(q, w, codes, scale, visible, impl="triton_interpret",
+    got = np.asarray(pidx.index_scores(q, w, codes, scale, visible, impl="gpu_interpret",
                                        **tune))
     want = _spec_scores(q, w, codes, scale, visible)
     assert got.shape == want.shape and got.dtype == np.float32
@@ -81,30 +81,46 @@ def test_dispatch_and_errors():
     q, w, codes, scale = _inputs(1, 1, 16, 128, 40)
     vis = jnp.full((1, 1), 40, jnp.int32)
     assert pidx.resolve_impl("auto", 32, 128, backend="cpu") == "xla"
-    assert pidx.resolve_impl("auto", 32, 128, backend="gpu") == "triton"
+    assert pidx.resolve_impl("auto", 32, 128, backend="gpu") == "gpu"
     assert pidx.resolve_impl("auto", 4, 64, backend="gpu") == "xla"       # not tiled on a GPU
     assert pidx.impl_for_family("xla", 32, 128) == "xla"
-    assert pidx.impl_for_family("mosaic_tpu", 32, 128) == "xla"
-    assert pidx.impl_for_family("triton", 4, 64) == "xla"
-    assert pidx.impl_for_family("triton", 32, 128) == "triton"
-    assert pidx.impl_for_family("triton_interpret", 4, 64) == "triton_interpret"
-    assert pidx.impl_for_family("auto", 32, 128, backend="gpu") == "triton"
-    assert pidx.impl_for_family("mosaic_gpu", 32, 128) == "xla"
+    assert pidx.impl_for_family("tpu", 32, 128) == "xla"
+    assert pidx.impl_for_family("tpu_interpret", 32, 128) == "xla"
+    assert pidx.impl_for_family("gpu", 4, 64) == "xla"
+    assert pidx.impl_for_family("gpu", 32, 128) == "gpu"
+    assert pidx.impl_for_family("gpu_interpret", 4, 64) == "gpu_interpret"
+    assert pidx.impl_for_family("auto", 32, 128, backend="gpu") == "gpu"
     # the top-k selection kernel reads only the scores: any indexer dims
-    assert pidx.select_impl_for_family("triton", backend="gpu") == "triton"
-    assert pidx.select_impl_for_family("auto", backend="gpu") == "triton"
+    assert pidx.select_impl_for_family("gpu", backend="gpu") == "gpu"
+    assert pidx.select_impl_for_family("auto", backend="gpu") == "gpu"
     assert pidx.select_impl_for_family("auto", backend="cpu") == "xla"
-    assert pidx.select_impl_for_family("triton_interpret") == "triton_interpret"
-    assert pidx.select_impl_for_family("mosaic_tpu", backend="gpu") == "xla"
+    assert pidx.select_impl_for_family("gpu_interpret") == "gpu_interpret"
+    assert pidx.select_impl_for_family("tpu", backend="gpu") == "xla"
+    # the names used before raise, naming the new family
+    for old, new in (("triton", "gpu"), ("triton_interpret", "gpu_interpret"),
+                     ("mosaic_tpu", "tpu"), ("mosaic_gpu", "gpu")):
+        with pytest.raises(ValueError, match=f"attn_impl='{old}' is now attn_impl='{new}'"):
+            pidx.impl_for_family(old, 32, 128)
+        with pytest.raises(ValueError, match=f"attn_impl='{old}' is now attn_impl='{new}'"):
+            pidx.select_impl_for_family(old)
+        with pytest.raises(ValueError, match=f"impl='{old}' is now impl='{new}'"):
+            pidx.index_scores(q, w, codes, scale, vis, impl=old)
+        with pytest.raises(ValueError, match=f"impl='{old}' is now impl='{new}'"):
+            pidx.select_topk(jnp.zeros((1, 1, 8)), 2, impl=old)
+    # no TPU indexer kernel
+    with pytest.raises(ValueError, match="no TPU kernel"):
+        pidx.index_scores(q, w, codes, scale, vis, impl="tpu_interpret")
+    with pytest.raises(ValueError, match="no TPU kernel"):
+        pidx.select_topk(jnp.zeros((1, 1, 8)), 2, impl="tpu")
     with pytest.raises(ValueError, match="attn_impl"):
         pidx.select_impl_for_family("cuda")
     s = jnp.zeros((1, 1, 40), F32)
     with pytest.raises(ValueError, match="GPU"):
-        pidx.select_topk(s, 8, impl="triton")                          # this is a CPU run
+        pidx.select_topk(s, 8, impl="gpu")                          # this is a CPU run
     with pytest.raises(ValueError, match="impl"):
         pidx.select_topk(s, 8, impl="gpu")
     with pytest.raises(ValueError, match="GPU"):
-        pidx.index_scores(q, w, codes, scale, vis, impl="triton")      # this is a CPU run
+        pidx.index_scores(q, w, codes, scale, vis, impl="gpu")      # this is a CPU run
     with pytest.raises(ValueError, match="attn_impl"):
         pidx.impl_for_family("cuda", 32, 128)
     with pytest.raises(ValueError, match="impl"):
@@ -118,10 +134,10 @@ def test_dispatch_and_errors():
     with pytest.raises(ValueError, match="q"):
         pidx.index_scores(q.astype(F32), w, codes, scale, vis, impl="xla")
     with pytest.raises(ValueError, match="block_t"):
-        pidx.index_scores(q, w, codes, scale, vis, impl="triton_interpret", block_t=48)
+        pidx.index_scores(q, w, codes, scale, vis, impl="gpu_interpret", block_t=48)
     with pytest.raises(ValueError, match="multiple of 128"):
         itk.index_scores(q[..., :64], w, codes[..., :32], scale[..., :2], vis)
-    empty = pidx.index_scores(q, w, codes[:, :0], scale[:, :0], vis, impl="triton_interpret")
+    empty = pidx.index_scores(q, w, codes[:, :0], scale[:, :0], vis, impl="gpu_interpret")
     assert empty.shape == (1, 1, 0)
 
 
@@ -270,12 +286,15 @@ def test_kernel_impls_per_call(tiny_a):
     kernel (whatever the indexer dims; the scores kernel needs the release's)."""
     from dsv41_jax import model
     cfg = tiny_a[0]
-    assert model.kernel_impls(cfg, "auto", 8, backend="gpu") == ("triton", "xla", "triton")
-    assert model.kernel_impls(cfg, "auto", 8, backend="cpu") == ("xla", "xla", "xla")
-    assert model.kernel_impls(cfg, "xla", 8, backend="gpu") == ("xla", "xla", "xla")
-    assert model.kernel_impls(cfg, "triton_interpret", 8) == ("triton_interpret",) * 3
-    with pytest.raises(ValueError, match="attn_impl|impl"):
-        model.kernel_impls(cfg, "cuda", 8)
+    assert model.kernel_impls(cfg, "auto", backend="gpu") == ("gpu", "xla", "gpu")
+    assert model.kernel_impls(cfg, "auto", backend="cpu") == ("xla", "xla", "xla")
+    assert model.kernel_impls(cfg, "xla", backend="gpu") == ("xla", "xla", "xla")
+    assert model.kernel_impls(cfg, "gpu_interpret") == ("gpu_interpret",) * 3
+    assert model.kernel_impls(cfg, "tpu_interpret") == ("tpu_interpret", "xla", "xla")
+    with pytest.raises(ValueError, match="attn_impl"):
+        model.kernel_impls(cfg, "cuda")
+    with pytest.raises(ValueError, match="attn_impl='triton' is now attn_impl='gpu'"):
+        model.kernel_impls(cfg, "triton")
 
 
 @pytest.mark.parametrize("T, segment, kernels", [(8192, None, 1), (40000, None, 2),

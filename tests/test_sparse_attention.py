@@ -13,6 +13,7 @@ import pytest
 
 from dsv41_jax import quant
 from pallas_kernels import sparse_attention as sa
+from pallas_kernels.sparse_attention import common
 
 
 def make_inputs(B=2, S=3, H=8, K=128, Nw=40, T=100, Ww=20, k=70, seed=0):
@@ -83,7 +84,7 @@ def test_triton_kernel_matches_reference(name):
     kw, tune, bitwise = CASES[name]
     args = make_inputs(**kw)
     o0, l0 = sa.sparse_attention(*args, impl="xla")
-    o1, l1 = sa.sparse_attention(*args, impl="triton_interpret", **tune)
+    o1, l1 = sa.sparse_attention(*args, impl="gpu_interpret", **tune)
     o0, o1 = _f32(o0), _f32(o1)
     assert (o1[0, 1] == 0).all() and not np.isnan(o1).any()
     np.testing.assert_allclose(np.asarray(l1)[0, 1], np.asarray(args[-1]), rtol=1e-6)
@@ -100,14 +101,14 @@ def test_dense_rows_swa_only_empty_and_rule():
 
     q, wkv, wsc, widx, main, msc, topk, sink = make_inputs()
     o0, l0 = sa.sparse_attention(q, wkv, wsc, widx, sink=sink, impl="xla")
-    o1, l1 = sa.sparse_attention(q, wkv, wsc, widx, sink=sink, impl="triton_interpret",
+    o1, l1 = sa.sparse_attention(q, wkv, wsc, widx, sink=sink, impl="gpu_interpret",
                                  kv="dense", n_splits=1)
     assert (_f32(o0) == _f32(o1)).mean() > 0.99
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-6)
     # no rows at all to decode (empty window rows and main KV) and lists of -1 only: 0, sink
     none = jnp.full_like(widx, -1)
     o2, l2 = sa.sparse_attention(q, wkv[:, :0], wsc[:, :0], none, main[:, :0], msc[:, :0],
-                                 jnp.full_like(topk, -1), sink, impl="triton_interpret",
+                                 jnp.full_like(topk, -1), sink, impl="gpu_interpret",
                                  kv="dense")
     assert (_f32(o2) == 0).all()
     np.testing.assert_allclose(np.asarray(l2), np.broadcast_to(np.asarray(sink), l2.shape),
@@ -124,16 +125,16 @@ def test_dense_rows_swa_only_empty_and_rule():
             args[6] = jnp.where(topk >= 0, 0, -1)
         o0, l0 = sa.sparse_attention(*args, impl="xla")
         for kv in ("packed", "dense"):
-            o1, l1 = sa.sparse_attention(*args, impl="triton_interpret", n_splits=1, kv=kv)
+            o1, l1 = sa.sparse_attention(*args, impl="gpu_interpret", n_splits=1, kv=kv)
             assert (_f32(o0) == _f32(o1)).mean() > 0.99, (part, kv)
             np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5, atol=1e-5)
     # nothing listed at all (a zero-width window list, no top-k), few programs: 0 and the sink
     o3, l3 = sa.sparse_attention(q, wkv, wsc, widx[..., :0], sink=sink,
-                                 impl="triton_interpret", kv="dense")
+                                 impl="gpu_interpret", kv="dense")
     assert (_f32(o3) == 0).all() and o3.shape == q.shape
     np.testing.assert_allclose(np.asarray(l3), np.broadcast_to(np.asarray(sink), l3.shape))
     # the joint list: window rows first, main entries offset past them, -1 kept, padded
-    lst = np.asarray(td.joint_list(widx, topk, wkv.shape[1], main.shape[1]))
+    lst = np.asarray(common.joint_list(widx, topk, wkv.shape[1], main.shape[1]))
     assert lst.shape[-1] == 128
     np.testing.assert_array_equal(lst[..., :20], np.asarray(widx))
     want = np.where(np.asarray(topk) >= 0, np.asarray(topk) + 40, -1)
@@ -148,20 +149,20 @@ def test_dense_rows_swa_only_empty_and_rule():
         text = str(jax.make_jaxpr(lambda *x: sa.sparse_attention(*x, **kw))(*a))
         return sorted(set(re.findall(r"csa2_[a-z_]+", text)))
     prefill = make_inputs(S=40, Nw=20, T=30)                 # 40 x 90 entries over 50 rows
-    assert kernels(*prefill, impl="triton_interpret") == ["csa2_merge_splits",
+    assert kernels(*prefill, impl="gpu_interpret") == ["csa2_merge_splits",
                                                           "csa2_sparse_attention_rows"]
-    assert kernels(*prefill, impl="triton_interpret", kv="packed", n_splits=1) == [
+    assert kernels(*prefill, impl="gpu_interpret", kv="packed", n_splits=1) == [
         "csa2_sparse_attention"]
-    assert kernels(*make_inputs(), impl="triton_interpret", n_splits=1) == [
+    assert kernels(*make_inputs(), impl="gpu_interpret", n_splits=1) == [
         "csa2_sparse_attention"]
     with pytest.raises(ValueError, match="kv must be one of"):
-        sa.sparse_attention(*prefill, impl="triton_interpret", kv="bf16")
+        sa.sparse_attention(*prefill, impl="gpu_interpret", kv="bf16")
     with pytest.raises(ValueError, match="not with kv='dense'"):
-        sa.sparse_attention(*prefill, impl="triton_interpret", kv="dense", prefetch="index")
+        sa.sparse_attention(*prefill, impl="gpu_interpret", kv="dense", prefetch="index")
     with pytest.raises(ValueError, match="n_chunks"):
-        sa.sparse_attention(*prefill, impl="triton_interpret", kv="dense", n_chunks=3)
+        sa.sparse_attention(*prefill, impl="gpu_interpret", kv="dense", n_chunks=3)
     with pytest.raises(ValueError, match="block_h"):
-        sa.sparse_attention(*prefill, impl="triton_interpret", kv="dense", block_h=3)
+        sa.sparse_attention(*prefill, impl="gpu_interpret", kv="dense", block_h=3)
     kv = td.dense_rows(*prefill[1:3], *prefill[4:6])
     assert kv.shape == (2, 50, 128) and kv.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="power-of-two head dim"):
@@ -176,27 +177,27 @@ def test_dense_rows_swa_only_empty_and_rule():
 def test_triton_kernel_swa_only_and_empty():
     q, wkv, wsc, widx, *_, sink = make_inputs()
     o0, l0 = sa.sparse_attention(q, wkv, wsc, widx, sink=sink, impl="xla")
-    o1, l1 = sa.sparse_attention(q, wkv, wsc, widx, sink=sink, impl="triton_interpret",
+    o1, l1 = sa.sparse_attention(q, wkv, wsc, widx, sink=sink, impl="gpu_interpret",
                                  n_splits=1)
     assert (_f32(o0) == _f32(o1)).mean() > 0.99
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-6)
     # an empty main KV (no rows at all) with an unfilled top-k list: the window alone
     main, msc, topk = make_inputs()[4:7]
     o3, l3 = sa.sparse_attention(q, wkv, wsc, widx, main[:, :0], msc[:, :0],
-                                 jnp.full_like(topk, -1), sink, impl="triton_interpret",
+                                 jnp.full_like(topk, -1), sink, impl="gpu_interpret",
                                  n_splits=1)
     assert (_f32(o0) == _f32(o3)).mean() > 0.99
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l0), rtol=1e-6)
     # a whole-block window list (read in place, no top-k list at all), over two splits
     q4, wkv4, wsc4, widx4, *_, sink4 = make_inputs(Ww=128, Nw=140)
     o4, l4 = sa.sparse_attention(q4, wkv4, wsc4, widx4, sink=sink4, impl="xla")
-    o5, l5 = sa.sparse_attention(q4, wkv4, wsc4, widx4, sink=sink4, impl="triton_interpret",
+    o5, l5 = sa.sparse_attention(q4, wkv4, wsc4, widx4, sink=sink4, impl="gpu_interpret",
                                  n_splits=2)
     assert (np.abs(_f32(o4) - _f32(o5)) <= 2 * np.abs(_f32(o4)) * 2.0 ** -8 + 2.0 ** -6).all()
     np.testing.assert_allclose(np.asarray(l5), np.asarray(l4), rtol=1e-5, atol=1e-5)
     # a list of -1 only: exactly 0, lse = sink
     o2, l2 = sa.sparse_attention(q, wkv, wsc, jnp.full_like(widx, -1), sink=sink,
-                                 impl="triton_interpret")
+                                 impl="gpu_interpret")
     assert (_f32(o2) == 0).all()
     np.testing.assert_allclose(np.asarray(l2), np.broadcast_to(np.asarray(sink), l2.shape),
                                rtol=1e-6)
@@ -220,23 +221,32 @@ def test_reference_is_the_spec_formula():
 
 def test_dispatch_and_errors():
     assert sa.resolve_impl("auto", "cpu") == "xla"
-    assert sa.resolve_impl("auto", "gpu", rows=1) == "triton"   # ahead of XLA at B=1 and 8 too
-    assert sa.resolve_impl("auto", "gpu", rows=8) == "triton"
-    assert sa.resolve_impl("auto", "gpu", rows=64) == "triton"
-    assert sa.resolve_impl("auto", "gpu", rows=4096) == "triton"
-    assert sa.resolve_impl("auto", "gpu", rows=4096, heads=64, head_dim=512) == "triton"
+    assert sa.resolve_impl("auto", "gpu") == "gpu"   # every batch size, decode and prefill
+    assert sa.resolve_impl("auto", "gpu", heads=64, head_dim=512) == "gpu"
     # shapes the kernel does not tile stay on XLA (8 heads are padded to the 16-row tile)
-    assert sa.resolve_impl("auto", "gpu", rows=4096, heads=8, head_dim=64) == "triton"
-    assert sa.resolve_impl("auto", "gpu", rows=4096, heads=24, head_dim=64) == "xla"
-    assert sa.resolve_impl("auto", "gpu", rows=4096, heads=64, head_dim=96) == "xla"
-    assert sa.resolve_impl("auto", "tpu", rows=4096) == "xla"     # Mosaic TPU is opt-in
-    assert sa.resolve_impl("triton_interpret", "cpu") == "triton_interpret"
+    assert sa.resolve_impl("auto", "gpu", heads=8, head_dim=64) == "gpu"
+    assert sa.resolve_impl("auto", "gpu", heads=24, head_dim=64) == "xla"
+    assert sa.resolve_impl("auto", "gpu", heads=64, head_dim=96) == "xla"
+    assert sa.resolve_impl("auto", "tpu") == "xla"     # the Mosaic TPU kernel is opt-in
+    assert sa.resolve_impl("gpu_interpret", "cpu") == "gpu_interpret"
+    assert sa.IMPLS == ("auto", "xla", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
+    assert not hasattr(sa, "TRITON_MIN_ROWS")
     args = make_inputs()
+    # the names used before raise, naming the family that replaces them
+    for old, new in (("triton", "gpu"), ("triton_interpret", "gpu_interpret"),
+                     ("mosaic_tpu", "tpu"), ("mosaic_tpu_interpret", "tpu_interpret"),
+                     ("mosaic_gpu", "gpu"), ("mosaic_gpu_interpret", "gpu_interpret")):
+        with pytest.raises(ValueError, match=f"impl='{old}' is now impl='{new}'"):
+            sa.sparse_attention(*args, impl=old)
+        with pytest.raises(ValueError, match=f"impl='{old}' is now impl='{new}'"):
+            sa.resolve_impl(old)
+    with pytest.raises(ValueError, match="kernel / kv choose among the GPU kernels"):
+        sa.sparse_attention(*args, impl="tpu_interpret", kernel="triton")
     with pytest.raises(ValueError, match="impl must be one of"):
         sa.sparse_attention(*args, impl="cuda")
     if jax.default_backend() == "cpu":   # (no GPU: a clear error, not Pallas' own)
         with pytest.raises(ValueError, match="needs a GPU backend"):
-            sa.sparse_attention(*args, impl="triton")
+            sa.sparse_attention(*args, impl="gpu")
     with pytest.raises(ValueError, match="win_idx"):
         sa.sparse_attention(*args[:3], args[3].astype(jnp.int16), *args[4:], impl="xla")
     with pytest.raises(ValueError, match="main_scale"):
@@ -244,25 +254,25 @@ def test_dispatch_and_errors():
     with pytest.raises(ValueError, match="q"):
         sa.sparse_attention(args[0].astype(jnp.float32), *args[1:], impl="xla")
     with pytest.raises(ValueError, match="block_h"):
-        sa.sparse_attention(*args, impl="triton_interpret", block_h=3)
+        sa.sparse_attention(*args, impl="gpu_interpret", block_h=3)
     with pytest.raises(ValueError, match="n_chunks"):
-        sa.sparse_attention(*args, impl="triton_interpret", n_chunks=3)
+        sa.sparse_attention(*args, impl="gpu_interpret", n_chunks=3)
     with pytest.raises(ValueError, match="n_chunks"):   # chunks of 16 channels: K=128 / 8
-        sa.sparse_attention(*args, impl="triton_interpret", n_chunks=8)
+        sa.sparse_attention(*args, impl="gpu_interpret", n_chunks=8)
     with pytest.raises(ValueError, match="dequant"):
-        sa.sparse_attention(*args, impl="triton_interpret", dequant="lut")
+        sa.sparse_attention(*args, impl="gpu_interpret", dequant="lut")
     with pytest.raises(ValueError, match="prefetch"):
-        sa.sparse_attention(*args, impl="triton_interpret", prefetch="early")
+        sa.sparse_attention(*args, impl="gpu_interpret", prefetch="early")
     with pytest.raises(ValueError, match="softmax"):
-        sa.sparse_attention(*args, impl="triton_interpret", softmax="exp10")
+        sa.sparse_attention(*args, impl="gpu_interpret", softmax="exp10")
     with pytest.raises(ValueError, match="merge"):
-        sa.sparse_attention(*args, impl="triton_interpret", n_splits=2, merge="tree")
+        sa.sparse_attention(*args, impl="gpu_interpret", n_splits=2, merge="tree")
     with pytest.raises(ValueError, match="tuning"):
         sa.sparse_attention(*args, impl="xla", n_splits=2)
     # a bad tuning name is refused even when the lists are empty (the kernel's early return)
     empty = (*args[:3], jnp.full_like(args[3][..., :0], -1), *args[4:6], None, args[7])
     with pytest.raises(ValueError, match="softmax"):
-        sa.sparse_attention(*empty, impl="triton_interpret", softmax="exp10")
+        sa.sparse_attention(*empty, impl="gpu_interpret", softmax="exp10")
 
 
 def test_model_with_kernels_matches_xla_path(tiny_a, monkeypatch):
@@ -301,7 +311,7 @@ def test_model_with_kernels_matches_xla_path(tiny_a, monkeypatch):
     first = "L" + str(min(int(k[1:]) for k in kva))
     for capacity, min_reuse, dense in ((32, 8, False), (40, 0, True)):
         dense_calls.clear()
-        lb, kvb = run("triton_interpret", capacity, min_reuse)
+        lb, kvb = run("gpu_interpret", capacity, min_reuse)
         assert bool(dense_calls) == dense
         assert np.array_equal(kva[first][:, :kvb[first].shape[1]],
                               kvb[first][:, :kva[first].shape[1]])   # identical inputs
@@ -319,7 +329,7 @@ def test_triton_kernel_clamps_indices_past_the_end():
     args = (q, wkv, wsc, widx, main, msc, topk, sink)
     o0, _ = sa.sparse_attention(*args, impl="xla")
     for kv in ("packed", "dense"):
-        o1, _ = sa.sparse_attention(*args, impl="triton_interpret", n_splits=1, kv=kv)
+        o1, _ = sa.sparse_attention(*args, impl="gpu_interpret", n_splits=1, kv=kv)
         assert (_f32(o0) == _f32(o1)).mean() > 0.99
         np.testing.assert_allclose(_f32(o1), _f32(o0), atol=0.07)
 

@@ -17,7 +17,8 @@ import ptx_emu
 import pytest
 from jax._src.pallas.triton import gpu_info
 
-from pallas_kernels.sparse_attention import triton as tk
+from pallas_kernels.sparse_attention import common
+from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention.reference import E2M1_LUT
 
 
@@ -30,7 +31,7 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
 
 
 @pytest.mark.parametrize("rows, tune, kernels", [
-    # default: the Mosaic GPU kernel with its decoding producer, 10 list splits (session 13),
+    # default: the Mosaic GPU kernel with its decoding producer, 10 list splits,
     # merged by the split merge kernel; Triton's: 64 heads, 10 splits, PTX decode
     ("decode B=8", {}, ["mosaic_gpu:packed", "csa2_merge_splits"]),
     ("decode B=8", {"kernel": "triton"}, ["csa2_sparse_attention", "csa2_merge_splits"]),
@@ -38,7 +39,7 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
      ["csa2_sparse_attention"]),
     # prefill: the rows are listed ~100 times each, so the default decodes them once and runs
     # a dequantised rows' kernel (kv="dense"): at 64 heads x 512 the warp-specialised Mosaic
-    # GPU one (session 12), the Triton one on request or when Triton tunings are given; the
+    # GPU one, the Triton one on request or when Triton tunings are given; the
     # packed rows' kernel on request
     ("prefill 256", {}, ["mosaic_gpu:rows"]),
     ("prefill 256", {"kv": "dense", "kernel": "triton"}, ["csa2_sparse_attention_rows"]),
@@ -46,7 +47,7 @@ def _release_inputs(B, S, T, Nw, Ww, k, H=64, K=512):
      ["csa2_sparse_attention_rows"]),
     ("decode B=8", {"kv": "dense"}, ["csa2_sparse_attention_rows", "csa2_merge_splits"]),
     # the packed rows with >= 128 programs of 64 x 512 heads: the Mosaic GPU kernel with the
-    # decoding producer (session 12); Triton's packed kernel on request or with its tunings
+    # decoding producer; Triton's packed kernel on request or with its tunings
     ("prefill 256", {"kv": "packed"}, ["mosaic_gpu:packed"]),
     ("prefill 256", {"kv": "packed", "kernel": "triton"}, ["csa2_sparse_attention"]),
     ("decode B=4 S=3", {"kv": "packed", "kernel": "mosaic_gpu"},
@@ -69,7 +70,7 @@ def test_gpu_kernel_lowers_for_h200(rows, tune, kernels):
               "decode B=4 S=3": (4, 3, 1024, 131, 128, 512),
               "tiny-a shapes, 8 heads x 64": (2, 24, 32, 56, 24, 16, 8, 64)}[rows]
     args = _release_inputs(*shapes)
-    f = jax.jit(functools.partial(tk.sparse_attention, scale=512 ** -0.5, **tune))
+    f = jax.jit(functools.partial(gpu.sparse_attention, scale=512 ** -0.5, **tune))
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
@@ -102,7 +103,7 @@ def _run_ptx(asm: str, regs: dict) -> dict:
 
 
 def _template(fmt, byte, shift):
-    return (tk.decode_ptx(fmt, byte, shift).replace("$0", "out").replace("$1", "w0")
+    return (common.decode_ptx(fmt, byte, shift).replace("$0", "out").replace("$1", "w0")
             .replace("$2", "w1").replace("$3", "s0").replace("$4", "s1"))
 
 

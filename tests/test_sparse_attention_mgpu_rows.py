@@ -11,15 +11,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.sparse_attention import common
+from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
 from pallas_kernels.sparse_attention import triton as tk
 from pallas_kernels.sparse_attention import triton_dense as td
 from pallas_kernels.sparse_attention.reference import sparse_attention_xla
 from test_sparse_attention import make_inputs
-from test_sparse_attention_mgpu import _compare, _reset_interpreter
 
 H, K = 64, 512
 SCALE = K ** -0.5
+
+
+def _reset_interpreter():
+    """After an exception in GPU interpret mode its state must be reset (InterpretGPUParams)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def _compare(o1, l1, o0, l0, bitwise_frac=0.99):
+    assert not np.isnan(o1).any()
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
+    # fp32 summation order may move a bf16(P) rounding: <= 1 ulp of the output plus 2^-8 of
+    # the rows' size (as tests/test_sparse_attention.py); nearly every value is bitwise equal
+    tol = 2 * np.abs(o0) * 2.0 ** -8 + 2.0 ** -8 * 6.0
+    assert (np.abs(o0 - o1) <= tol).all()
+    assert (o0 == o1).mean() > bitwise_frac
 
 
 def _rows_and_list(args, topk_none=False):
@@ -27,7 +44,7 @@ def _rows_and_list(args, topk_none=False):
     if topk_none:
         main = msc = topk = None
     kv = td.dense_rows(wkv, wsc, main, msc)
-    return kv, td.joint_list(widx, topk, wkv.shape[1], 0 if main is None else main.shape[1])
+    return kv, common.joint_list(widx, topk, wkv.shape[1], 0 if main is None else main.shape[1])
 
 
 def _run(args, topk_none=False, **kw):
@@ -149,32 +166,32 @@ def _export_h200(f, structs):
 
 
 def test_rule_and_dispatch():
-    """``triton_dense.default_tuning`` picks the Mosaic GPU kernel for the release's 64 x 512
+    """``gpu.rows_kernel`` picks the Mosaic GPU kernel for the release's 64 x 512
     heads when one program per query fills the GPU and the list fits; Triton otherwise, and
     whenever Triton tunings are given; the keyword's errors."""
-    assert td.default_tuning(4096, 64, 10, 512)["kernel"] == "mosaic_gpu"
-    assert td.default_tuning(8, 64, 10, 512)["kernel"] == "triton"          # list splits
-    assert td.default_tuning(4096, 8, 10, 64)["kernel"] == "triton"          # tiny heads
-    assert td.default_tuning(4096, 64, mr.MAX_LIST // 64 + 1, 512)["kernel"] == "triton"
+    assert gpu.rows_kernel(4096, 64, 10, 512) == "mosaic_gpu"
+    assert gpu.rows_kernel(8, 64, 10, 512) == "triton"          # list splits
+    assert gpu.rows_kernel(4096, 8, 10, 64) == "triton"          # tiny heads
+    assert gpu.rows_kernel(4096, 64, mr.MAX_LIST // 64 + 1, 512) == "triton"
     args = make_inputs(B=1, S=2, H=H, K=K, Nw=70, T=150, Ww=24, k=16, seed=3)
-    o1, l1 = tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="mosaic_gpu")
+    o1, l1 = gpu.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="mosaic_gpu")
     kv, rows = _rows_and_list(args)
     o2, l2 = mr.sparse_attention_rows(args[0], kv, rows, args[-1], SCALE, interpret=True)
     np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
     np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
     with pytest.raises(ValueError, match="GPU only"):
-        tk.sparse_attention(*args, SCALE, interpret=True, kv="packed", kernel="mosaic_gpu")
+        gpu.sparse_attention(*args, SCALE, interpret=True, kv="packed", kernel="mosaic_gpu")
     with pytest.raises(ValueError, match="softmax and n_splits only"):
-        tk.sparse_attention(*args, SCALE, kv="packed", kernel="mosaic_gpu", n_chunks=2)
+        gpu.sparse_attention(*args, SCALE, kv="packed", kernel="mosaic_gpu", n_chunks=2)
     with pytest.raises(ValueError, match="not with kernel='mosaic_gpu'"):
-        tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="mosaic_gpu",
+        gpu.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="mosaic_gpu",
                             num_stages=2)
     with pytest.raises(ValueError, match="n_splits must be"):
         mr.sparse_attention_rows(args[0], kv, rows, args[-1], SCALE, interpret=True, n_splits=0)
     with pytest.raises(ValueError, match="n_splits must be"):   # (not the default instead)
-        tk.sparse_attention(*args, SCALE, kv="packed", kernel="mosaic_gpu", n_splits=0)
+        gpu.sparse_attention(*args, SCALE, kv="packed", kernel="mosaic_gpu", n_splits=0)
     with pytest.raises(ValueError, match="kernel must be"):
-        tk.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="cuda")
+        gpu.sparse_attention(*args, SCALE, interpret=True, kv="dense", kernel="cuda")
 
 
 def test_rule_needs_hopper(monkeypatch):
@@ -186,7 +203,7 @@ def test_rule_needs_hopper(monkeypatch):
             self.compute_capability = cc
     for cc, kernel in (("8.0", "triton"), ("10.0", "triton"), ("9.0", "mosaic_gpu")):
         monkeypatch.setattr(jax, "devices", lambda cc=cc: [FakeGPU(cc)])
-        assert td.default_tuning(4096, 64, 10, 512)["kernel"] == kernel
+        assert gpu.rows_kernel(4096, 64, 10, 512) == kernel
 
 
 # ----------------------------------------------------------------------------- packed producer
@@ -196,7 +213,7 @@ def _pair(fmt, a: int, b: int, scale_bits: int) -> tuple[float, float]:
     """The packed producer's decode of one channel pair: ``triton.decode_ptx(fmt, 0, 0)`` on
     the words ``a`` and ``b`` (each pair's code in byte 0) and one scale, CPU-emulated."""
     import ptx_emu
-    out = int(ptx_emu.run_ptx(tk.decode_ptx(fmt, 0, 0).replace("$0", "out").replace(
+    out = int(ptx_emu.run_ptx(common.decode_ptx(fmt, 0, 0).replace("$0", "out").replace(
         "$1", "a").replace("$2", "b").replace("$3", "s").replace("$4", "s"),
         {"a": a & 0xFFFFFFFF, "b": b & 0xFFFFFFFF, "s": scale_bits, "out": 0})["out"])
     return (float(ptx_emu.bf16_values(out & 0xFFFF)), float(ptx_emu.bf16_values(out >> 16)))
@@ -284,14 +301,14 @@ def test_packed_kernel_rejects_long_lists():
 
 
 def test_packed_rule():
-    """``triton.default_tuning`` picks the decoding Mosaic GPU kernel for 64 x 512 heads from
+    """``gpu.packed_kernel`` picks the decoding Mosaic GPU kernel for 64 x 512 heads from
     8 query rows on (with list splits below 128: one block each at B=8, two halves at B=64),
     Triton's packed kernel for B=1 and for other heads."""
     for rows, n_splits in ((256, 1), (128, 1), (64, 2), (8, 10), (12, 10)):
         tune = tk.default_tuning(rows, 64, 10, 512)
-        assert (tune["kernel"], tune["n_splits"], tune["block_h"]) == (
+        assert (gpu.packed_kernel(rows, 64, 10, 512), tune["n_splits"], tune["block_h"]) == (
             "mosaic_gpu", n_splits, 64)
-    assert tk.default_tuning(1, 64, 10, 512)["kernel"] == "triton"
-    assert tk.default_tuning(1, 64, 1, 512)["kernel"] == "triton"        # one block, one CTA
-    assert td.default_tuning(1, 64, 1, 512)["kernel"] == "triton"
-    assert tk.default_tuning(256, 16, 10, 128)["kernel"] == "triton"
+    assert gpu.packed_kernel(1, 64, 10, 512) == "triton"
+    assert gpu.packed_kernel(1, 64, 1, 512) == "triton"        # one block, one CTA
+    assert gpu.rows_kernel(1, 64, 1, 512) == "triton"
+    assert gpu.packed_kernel(256, 16, 10, 128) == "triton"

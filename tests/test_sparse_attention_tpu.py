@@ -54,7 +54,7 @@ def _check(out, ref, sink, empty=(0, 1)):
 
 def _both(args, **tuning):
     ref = jax.jit(functools.partial(sparse_attention, impl="xla"))(*args)
-    out = jax.jit(functools.partial(sparse_attention, impl="mosaic_tpu_interpret",
+    out = jax.jit(functools.partial(sparse_attention, impl="tpu_interpret",
                                     **tuning))(*args)
     return out, ref
 
@@ -114,9 +114,9 @@ def _zeros_args(H, K):
 
 def test_rejects_unsupported_shapes():
     with pytest.raises(ValueError, match="K % 128"):
-        sparse_attention(*_zeros_args(8, 96), impl="mosaic_tpu_interpret")
+        sparse_attention(*_zeros_args(8, 96), impl="tpu_interpret")
     with pytest.raises(ValueError, match="block_h"):
-        sparse_attention(*_zeros_args(12, 128), impl="mosaic_tpu_interpret", block_h=4)
+        sparse_attention(*_zeros_args(12, 128), impl="tpu_interpret", block_h=4)
 
 
 def test_no_list_at_all():
@@ -124,6 +124,6 @@ def test_no_list_at_all():
     args = list(_zeros_args(8, 128))
     args[3], args[6] = jnp.zeros((1, 1, 0), jnp.int32), None
     args[7] = jnp.arange(8, dtype=jnp.float32)
-    o, lse = sparse_attention(*args, impl="mosaic_tpu_interpret")
+    o, lse = sparse_attention(*args, impl="tpu_interpret")
     assert o.dtype == jnp.bfloat16 and (np.asarray(o, np.float32) == 0).all()
     np.testing.assert_array_equal(np.asarray(lse)[0, 0], np.arange(8, dtype=np.float32))

@@ -1,6 +1,6 @@
 """Resource report of the sparse attention kernel's GPU build, on a machine without a GPU.
 
-Lowers :func:`pallas_kernels.sparse_attention.triton.sparse_attention` for an H200 (mocked GPU
+Lowers :func:`pallas_kernels.sparse_attention.gpu.sparse_attention` for an H200 (mocked GPU
 info, ``jax.export``), captures the Triton IR that Pallas hands to XLA and, when the standalone
 ``triton`` package is installed (``pip install -e .[kernel-report]``: triton 3.6.0, the GPU
 machine's version), compiles it for sm_90a the way XLA does (the TTIR passes first, then
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.pallas.triton import gpu_info, lowering
 
+from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention import triton as tk
 from pallas_kernels.sparse_attention import triton_dense as td
 
@@ -86,7 +87,7 @@ def lower_to_ttir(rows: str, tuning: dict) -> str:
     # the rows of 64 x 512 heads without list splits default to the Mosaic GPU kernels:
     # report the Triton ones
     tuning = dict(tuning, kernel=tuning.get("kernel", "triton"))
-    f = jax.jit(functools.partial(tk.sparse_attention, scale=512 ** -0.5, **tuning))
+    f = jax.jit(functools.partial(gpu.sparse_attention, scale=512 ** -0.5, **tuning))
     # with list splits the call also runs the split merge kernel: report the attention kernel
     # (the packed rows' kernel or, with kv="dense", the dequantised rows' kernel)
     [text] = [t for t in capture_ttir(f, *_inputs(*ROWS[rows]))

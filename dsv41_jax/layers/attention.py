@@ -41,10 +41,10 @@ class Chunk(NamedTuple):
     decode: bool                   # S == 1: list the window in ring order (spec 3.3)
     compat_stale_index_k: jax.Array  # bool scalar (traced): the reference's decode index_k quirk
     freqs: dict                    # RoPE frequencies per table kind (numpy fp32)
-    attn_impl: str = "xla"         # sparse attention implementation (pallas_kernels IMPLS)
+    attn_impl: str = "xla"         # sparse attention kernel family (pallas_kernels.impls)
     win_width: int = 0             # prefill window-list width (0: W); min(S, W) on a fresh prefill
-    index_impl: str = "xla"        # indexer scores implementation (pallas_kernels.indexer IMPLS)
-    select_impl: str = "xla"       # indexer top-k implementation (pallas_kernels.indexer IMPLS)
+    index_impl: str = "xla"        # indexer scores kernel family (pallas_kernels.impls)
+    select_impl: str = "xla"       # indexer top-k kernel family (pallas_kernels.impls)
 
 
 # ----------------------------------------------------------------------------- sparse attention
@@ -105,9 +105,7 @@ def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk, s
     # indexer keys come from the un-rotated, un-quantised latent (spec 3.6a)
     ik = rms_norm(linear(lat, p["indexer"]["wk"]), p["indexer"]["k_norm"]["weight"], cfg.norm_eps)
     ik = apply_rope(ik, cos, sin)
-    codec = {"triton": "triton", "triton_interpret": "triton_interpret",
-             "mosaic_tpu": "mosaic_tpu", "mosaic_tpu_interpret": "mosaic_tpu_interpret"
-             }.get(ch.attn_impl, "xla")     # FP4 quantise-and-pack kernels (spec 2.6)
+    codec = ch.attn_impl    # the FP4 quantise-and-pack kernels of the same family
     ik_packed, ik_scale = fp4.quantize_pack(ik.astype(BF16), "index", impl=codec)
     mk = apply_rope(lat, cos, sin)
     mk_packed, mk_scale = fp4.quantize_pack(mk.astype(BF16), "main", impl=codec)

@@ -1,6 +1,6 @@
-"""FP4 codec: e2m1 quantise + nibble pack, and unpack + dequantise (spec 2.6, 2.5).
+"""FP4 codec: e2m1 quantise + nibble pack, and unpack + dequantise.
 
-Two formats (``fmt``), both bit-exact with :mod:`dsv41_jax.quant`:
+Two formats (``fmt``), both bit-exact with the jnp reference (:mod:`.reference`):
 
 * ``"main"`` (compressed main KV): one E4M3 scale per 16 values,
   ``scale = e4m3_RNE_satfinite(max(amax, 6*2^-9) / 6)``; the scale array is float8_e4m3fn.
@@ -10,31 +10,30 @@ Two formats (``fmt``), both bit-exact with :mod:`dsv41_jax.quant`:
 Both round ``clamp(x / s, -6, 6)`` to the nearest e2m1 value, ties to the even code, keep the sign
 of zero, and pack two codes per byte: element 2j in the low nibble, 2j+1 in the high nibble.
 
-Implementations (``impl``):
+Implementations (``impl``, the kernel families of :mod:`pallas_kernels.impls`):
 
-* ``"xla"``: the :mod:`dsv41_jax.quant` functions (``fp4_quantize`` + ``pack_nibbles``,
-  ``unpack_nibbles`` + ``fp4_dequantize``), the reference the kernels are tested against.
-* ``"triton"``: Pallas Triton kernels for NVIDIA GPUs (:mod:`.triton`).
-* ``"mosaic_tpu"``: Pallas Mosaic TPU kernels (:mod:`.tpu`).
-* ``"triton_interpret"`` / ``"mosaic_tpu_interpret"``: the same kernels in Pallas interpret mode
-  (CPU tests).
-* ``"auto"``: ``triton`` on a GPU backend, ``xla`` elsewhere (the Mosaic TPU kernels are
-  interpret-tested only, so they are opt-in).
+* ``"xla"``: :func:`.reference.fp4_quantize` + :func:`.reference.pack_nibbles`,
+  :func:`.reference.unpack_nibbles` + :func:`.reference.fp4_dequantize`, the reference the
+  kernels are tested against.
+* ``"gpu"``: Pallas Triton kernels for NVIDIA GPUs (:mod:`.triton`).
+* ``"tpu"``: Pallas Mosaic TPU kernels (:mod:`.tpu`).
+* ``"gpu_interpret"`` / ``"tpu_interpret"``: the same kernels in Pallas interpret mode (CPU).
+* ``"auto"``: ``"gpu"`` on a GPU backend, ``"xla"`` elsewhere (the Mosaic TPU kernels are
+  opt-in).
 
 The kernels never divide: e2m1 codes are decided by the exact comparisons ``|x| <op> b * s`` of
-``quant._e2m1_code`` (in bf16x2 pairs in the Triton kernel's PTX encode, where ``b * s`` is
-exact), scales are rounded with integer bit arithmetic (:mod:`.codec`) or, for main KV in that
-PTX encode, by the hardware's RNE e4m3 convert of a correctly rounded ``amax / 6``; fp8 scales
-leave the kernel as uint8 bits. Subnormal inputs follow the
-backend's denormal mode exactly like the ``xla`` reference on the same backend (XLA:CPU flushes
-them, so on CPU a subnormal x gets code 0; on an H200 the Triton kernels matched XLA:GPU on
-subnormal inputs too). The same holds for the subnormal boundaries ``b * s`` of the smallest
-E8M0 scales: XLA:CPU flushes them, so a zero in an indexer-K block of tiny values (an
-all-zero block, say) gets code 1 (+0.5 s, s = 2^-126, which dequantises to 0 there) on CPU,
-code 0 on a GPU; the packed bytes of such blocks differ between backends. A NaN in a block
-makes the kernels' scale NaN ("main", codes 0 with their sign) or the E8M0 byte 0 with an
-infinite scale ("index"), like the eager reference; the jitted reference may drop the NaN in
-its fused max instead, so NaN is outside the bit-exact contract. +-inf is inside it.
+:func:`.reference._e2m1_code` (in bf16x2 pairs in the Triton kernel's PTX encode, where
+``b * s`` is exact), scales are rounded with integer bit arithmetic (:mod:`.common`) or, for
+main KV in that PTX encode, by the hardware's RNE e4m3 convert of a correctly rounded
+``amax / 6``; fp8 scales leave the kernel as uint8 bits. Subnormal inputs follow the backend's
+denormal mode exactly like the ``xla`` reference on the same backend (XLA:CPU flushes them, so
+on CPU a subnormal x gets code 0; on a GPU the Triton kernels match XLA:GPU). The same holds
+for the subnormal boundaries ``b * s`` of the smallest E8M0 scales: XLA:CPU flushes them, so a
+zero in an indexer-K block of tiny values (an all-zero block, say) gets code 1 (+0.5 s,
+s = 2^-126, which dequantises to 0 there) on CPU, code 0 on a GPU; the packed bytes of such
+blocks differ between backends. A NaN in a block gives that block the NaN scale in both
+formats (E4M3's NaN code; the E8M0 byte 255) and codes 0 with their signs, so the whole block
+dequantises to NaN, in every implementation. +-inf is inside the bit-exact contract.
 """
 
 from __future__ import annotations
@@ -43,13 +42,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, BFloat16, UInt8
 
-from dsv41_jax import quant
-from pallas_kernels.fp4.codec import FMT_BLOCK, FMTS
+from pallas_kernels import impls
+from pallas_kernels.fp4 import reference, tpu, triton
+from pallas_kernels.fp4.common import FMT_BLOCK, FMTS
 
-IMPLS = ("auto", "xla", "triton", "mosaic_tpu", "triton_interpret", "mosaic_tpu_interpret")
-# Tuning keywords the kernels take (triton: block_rows, num_warps, num_stages, and encode for
-# quantize_pack; mosaic_tpu: block_rows). Each implementation ignores the ones it does not
-# use, "xla" all of them.
+IMPLS = impls.FAMILIES
+# Tuning keywords the kernels take (gpu: block_rows, num_warps, num_stages, and encode for
+# quantize_pack; tpu: block_rows). Each implementation ignores the ones it does not use,
+# "xla" all of them.
 TUNING = ("block_rows", "num_warps", "num_stages", "encode")
 
 __all__ = ["FMTS", "IMPLS", "TUNING", "block_size", "quantize_pack", "resolve_impl",
@@ -57,14 +57,13 @@ __all__ = ["FMTS", "IMPLS", "TUNING", "block_size", "quantize_pack", "resolve_im
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """The implementation ``impl`` stands for on ``backend``: the rule of
-    :func:`pallas_kernels.sparse_attention.resolve_impl` (``auto``: Triton on GPUs, XLA on CPU
-    and TPU, where the Mosaic kernels are opt-in). Raises ``ValueError`` for an unknown name.
-    """
-    from pallas_kernels.sparse_attention import resolve_impl as resolve
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return resolve(impl, backend)
+    """The family ``impl`` stands for on ``backend`` (default: JAX's): ``"auto"`` is
+    ``"gpu"`` on a GPU, ``"xla"`` elsewhere (the Mosaic TPU kernels are opt-in). Raises
+    ``ValueError`` for an unknown or old name."""
+    impls.check_family(impl)
+    if impl != "auto":
+        return impl
+    return "gpu" if impls.on_gpu(backend) else "xla"
 
 
 def block_size(fmt: str) -> int:
@@ -81,11 +80,7 @@ def _check_tuning(tuning: dict) -> None:
 
 
 def _kernel_module(impl: str):
-    if impl.startswith("triton"):
-        from pallas_kernels.fp4 import triton as kernel
-    else:
-        from pallas_kernels.fp4 import tpu as kernel
-    return kernel
+    return triton if impls.platform(impl) == "gpu" else tpu
 
 
 def _kernel_tuning(impl: str, tuning: dict, quantize: bool = True) -> dict:
@@ -108,11 +103,12 @@ def quantize_pack(x: BFloat16[Array, "... K"], fmt: str, *, impl: str = "auto", 
     Returns:
       ``(packed, scale)``: packed uint8 [..., K/2] (element 2j in the low nibble); scale
       float8_e4m3fn [..., K/16] for ``"main"``, uint8 E8M0 bytes [..., K/32] for ``"index"``.
-      Bit for bit ``quant.pack_nibbles(codes), scale`` of ``quant.fp4_quantize(x, block, fmt)``.
+      Bit for bit ``reference.pack_nibbles(codes), scale`` of
+      ``reference.fp4_quantize(x, block, fmt)``.
 
     Raises:
-      ValueError: unknown ``fmt`` / ``impl`` / tuning keyword, ``x`` not bf16, K not a multiple
-      of 32.
+      ValueError: unknown ``fmt`` / ``impl`` (old names included) / tuning keyword, ``x`` not
+      bf16, K not a multiple of 32.
     """
     block = block_size(fmt)
     impl = resolve_impl(impl)
@@ -124,8 +120,8 @@ def quantize_pack(x: BFloat16[Array, "... K"], fmt: str, *, impl: str = "auto", 
         raise ValueError(f"x: K = {k} (last dim) must be a positive multiple of 32")
     scale_fmt = FMT_BLOCK[fmt][1]
     if impl == "xla":
-        codes, scale = quant.fp4_quantize(x, block, scale_fmt)
-        return quant.pack_nibbles(codes), scale
+        codes, scale = reference.fp4_quantize(x, block, scale_fmt)
+        return reference.pack_nibbles(codes), scale
     lead = x.shape[:-1]
     n = x.size // k
     if n == 0:
@@ -134,7 +130,7 @@ def quantize_pack(x: BFloat16[Array, "... K"], fmt: str, *, impl: str = "auto", 
     else:
         words = jax.lax.bitcast_convert_type(x.reshape(n, k // 2, 2), jnp.int32)
         kernel = _kernel_module(impl)
-        packed, sbytes = kernel.quantize_words(words, fmt, interpret=impl.endswith("interpret"),
+        packed, sbytes = kernel.quantize_words(words, fmt, interpret=impls.interpret(impl),
                                                **_kernel_tuning(impl, tuning))
         packed = packed.reshape(*lead, k // 2)
         sbytes = sbytes.reshape(*lead, k // block)
@@ -156,7 +152,7 @@ def unpack_dequantize(packed: UInt8[Array, "... K2"], scale: jax.Array, fmt: str
 
     Returns:
       ``dtype`` [..., K], bit for bit
-      ``quant.fp4_dequantize(quant.unpack_nibbles(packed), scale, block, dtype)``.
+      ``reference.fp4_dequantize(reference.unpack_nibbles(packed), scale, block, dtype)``.
 
     Raises:
       ValueError: unknown ``fmt`` / ``impl`` / tuning keyword, a shape or dtype that does not
@@ -178,7 +174,7 @@ def unpack_dequantize(packed: UInt8[Array, "... K2"], scale: jax.Array, fmt: str
                          f"{(*packed.shape[:-1], k // block)}, got {scale.dtype} "
                          f"{tuple(scale.shape)}")
     if impl == "xla":
-        return quant.fp4_dequantize(quant.unpack_nibbles(packed), scale, block, dtype)
+        return reference.fp4_dequantize(reference.unpack_nibbles(packed), scale, block, dtype)
     lead = packed.shape[:-1]
     n = packed.size // (k // 2)
     if n == 0:
@@ -187,7 +183,7 @@ def unpack_dequantize(packed: UInt8[Array, "... K2"], scale: jax.Array, fmt: str
     words_out = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
     kernel = _kernel_module(impl)
     out = kernel.dequantize_words(packed.reshape(n, k // 2), sbytes.reshape(n, k // block), fmt,
-                                  words_out=words_out, interpret=impl.endswith("interpret"),
+                                  words_out=words_out, interpret=impls.interpret(impl),
                                   **_kernel_tuning(impl, tuning, quantize=False))
     if words_out:
         return jax.lax.bitcast_convert_type(out, jnp.bfloat16).reshape(*lead, k)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.fp4 import codec
+from pallas_kernels.fp4 import common as codec
 
 TUNING = ("block_rows",)
 _WORDS_PER_BLOCK = 32768

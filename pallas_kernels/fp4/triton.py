@@ -23,13 +23,9 @@ half). One program handles ``block_rows`` rows (R) of full width:
   with bit arithmetic and store, for bf16, one int32 word per byte (the two bf16 values; the
   wrapper bitcasts back), otherwise the even and odd fp32 values.
 
-Defaults (measured on one H200, docs/benchmarks.md): main K = 512 with 16 rows x 8 warps,
-index K = 128 with 64 rows x 4 warps. With 512 MiB of bf16 input (688 MB of traffic for main
-KV) the asm encode took 202 us of device time for main KV (3.40 TB/s) and 215 us for indexer K (3.16
-TB/s), against XLA's 466 / 462 us and 306 / 268 us with the jnp encode. Unpack: 100-106 us for
-256 MiB of input (3.2-3.4 TB/s) against XLA's 485-495 us (an earlier session). Both kernels
-are bit-exact with the XLA reference on that GPU (tests/test_fp4_kernels.py, which adds
-``impl="triton"`` on a GPU machine). On CPU the PTX templates are emulated bit by bit
+Defaults: main K = 512 with 16 rows x 8 warps, index K = 128 with 64 rows x 4 warps
+(docs/benchmarks.md has the measurements). Both kernels are bit-exact with the XLA reference
+on a GPU (tests/test_fp4_kernels.py, which adds ``impl="gpu"`` on a GPU machine). On CPU the PTX templates are emulated bit by bit
 (tests/ptx_emu.py): the encode for every bf16 value under every e4m3 and E8M0 scale (+inf and
 NaN included), the E4M3 scale for every bf16 amax.
 
@@ -49,18 +45,30 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.fp4 import codec
+from pallas_kernels.fp4 import common as codec
 
 TUNING = ("block_rows", "num_warps", "num_stages", "encode")
 ENCODES = ("asm", "jnp")
-# Defaults measured on an H200 (512 MiB of bf16 input, device time; docs/benchmarks.md):
-# words per program and warps. main K = 512: 16 rows, 8 warps; index K = 128: 64 rows, 4 warps
-# (the asm encode; 32 rows measured 6% slower there).
+# Defaults: words per program and warps (main K = 512: 16 rows, 8 warps; index K = 128:
+# 64 rows, 4 warps).
 _DEFAULTS = {"main": (4096, 8), "index": (4096, 4)}
 
 
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def row_pieces(n: int, widths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Row ranges ``[a, b)`` in which the kernels process ``n`` rows whose byte arrays (uint8
+    [n, w] for each ``w`` of ``widths``: the packed codes, the scales) are addressed safely: all
+    rows at once, except where one of those arrays has between 2**31 and 2**32 bytes, which
+    Pallas Triton would address with 32-bit element offsets (it widens them above 2**32 bytes
+    only): there, pieces of at most 2**31 bytes of the widest. The other operands have 4-byte
+    elements (fewer than 2**31 of them up to 2**33 bytes)."""
+    if not any(2 ** 31 < n * w <= 2 ** 32 for w in widths):
+        return [(0, n)]
+    rows = 2 ** 31 // max(widths)
+    return [(a, min(a + rows, n)) for a in range(0, n, rows)]
 
 
 def _config(fmt: str, n: int, width: int, block_rows, num_warps, num_stages):
@@ -190,8 +198,8 @@ def _boundary_pairs(s: jax.Array) -> list[jax.Array]:
     :data:`_INF_SCALE_PAIRS`).
 
     For the smallest E8M0 scales (2^-126, 2^-125) ``0.25 s`` and ``0.75 s`` are fp32
-    subnormals: the products must not be flushed (they are not in this kernel on the H200, as
-    in XLA:GPU's reference; the GPU tests' all-zero blocks cover it), or a zero would pass
+    subnormals: the products must not be flushed (they are not in this kernel on a GPU, as in
+    XLA:GPU's reference; the GPU tests' all-zero blocks cover it), or a zero would pass
     ``0.75 s`` but not ``0.25 s``. The jnp encode depends on the same products."""
     out = []
     inf = s == np.float32(np.inf)
@@ -253,6 +261,12 @@ def quantize_words(words: jax.Array, fmt: str, *, interpret: bool = False, block
     n, width0 = words.shape
     group_words = codec.FMT_BLOCK[fmt][0] // 2
     width = _pow2_ceil(width0)
+    pieces = row_pieces(n, (width, width // group_words))
+    if len(pieces) > 1:   # byte arrays of 2**31 .. 2**32 bytes: in pieces of < 2**31 bytes
+        outs = [quantize_words(words[a:b], fmt, interpret=interpret, block_rows=block_rows,
+                               num_warps=num_warps, num_stages=num_stages, encode=encode)
+                for a, b in pieces]
+        return tuple(jnp.concatenate(parts) for parts in zip(*outs))
     if width != width0:  # zero words: whole extra scale blocks, sliced off below
         words = jnp.pad(words, ((0, 0), (0, width - width0)))
     groups = width // group_words
@@ -301,6 +315,15 @@ def dequantize_words(packed: jax.Array, scale_bytes: jax.Array, fmt: str, *, wor
     n, width0 = packed.shape
     group_words = codec.FMT_BLOCK[fmt][0] // 2
     width = _pow2_ceil(width0)
+    pieces = row_pieces(n, (width, width // group_words))
+    if len(pieces) > 1:   # byte arrays of 2**31 .. 2**32 bytes: in pieces of < 2**31 bytes
+        outs = [dequantize_words(packed[a:b], scale_bytes[a:b], fmt, words_out=words_out,
+                                 interpret=interpret, block_rows=block_rows,
+                                 num_warps=num_warps, num_stages=num_stages)
+                for a, b in pieces]
+        if words_out:
+            return jnp.concatenate(outs)
+        return tuple(jnp.concatenate(parts) for parts in zip(*outs))
     if width != width0:
         packed = jnp.pad(packed, ((0, 0), (0, width - width0)))
         scale_bytes = jnp.pad(scale_bytes, ((0, 0), (0, (width - width0) // group_words)))

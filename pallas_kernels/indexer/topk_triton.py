@@ -2,8 +2,8 @@
 
 One program per query row: the ``k`` largest of the row's ``T`` scores, as positions in
 ascending order, ``-1`` after the last pick. The result is the same, bit for bit, as
-:func:`dsv41_jax.layers.indexer.select_topk_radix` (its reference: XLA, no sort) and so as
-:func:`dsv41_jax.layers.indexer.select_topk` (``lax.top_k`` + sort) on the indexer's
+:func:`.reference.select_topk_radix` (its reference: XLA, no sort) and so as
+:func:`.reference.select_topk` (``lax.top_k`` + sort) on the indexer's
 bf16-representable fp32 scores: ties go to the lower position, ``-inf`` and NaN are never
 picked, ``-0 < +0`` (IEEE total order on the 16-bit order keys).
 
@@ -18,8 +18,7 @@ picked, ``-0 < +0`` (IEEE total order on the 16-bit order keys).
   a segment of 8K scores is 32 keys per thread (8 warps) where a 32K row is 64 (16 warps).
   :func:`default_segment` sets the segment length from the number of rows (8K-32K; rows that
   fit in one segment, or too many picks for one, ``2 k`` above every length, are selected in
-  one stage). On the H200 this is 1.8x the one-stage kernel at B=1-8 over 32K scores and
-  2.6-8.8x the XLA radix selection from 64K to 1M scores (session 9, docs/benchmarks.md).
+  one stage).
 * Within a program, segments of up to :data:`TILE` scores are held in registers for all 16
   steps (one load); longer ones (a ``segment`` above :data:`TILE`) are streamed in
   tiles of :data:`TILE` for every step and the count above ``v`` (17 reads of the row, plus
@@ -30,8 +29,8 @@ picked, ``-0 < +0`` (IEEE total order on the 16-bit order keys).
   slot, and a masked scatter store writes it. The slots after the
   last pick get ``-1`` (a store disjoint from the picks' slots).
 
-The XLA radix selection it replaces runs as 15-16 kernels per call on the H200 (the counting
-passes, the scans, the scatter; session 8's profile), the sort as 12-49; this is one kernel.
+The XLA radix selection runs as many kernels per call (the counting passes, the scans, the
+scatter), the sort as more; this is one kernel.
 """
 
 from __future__ import annotations
@@ -45,13 +44,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
-from dsv41_jax.layers.indexer import _bf16_order_key
-
-F32 = jnp.float32
-I32 = jnp.int32
+from pallas_kernels.indexer.common import F32, I32, bf16_order_key
 TILE = 32768      # scores per counting tile: 64 int32 keys per thread with 16 warps
 SEGMENTS = (32768, 16384, 8192)   # segment lengths of the two-stage selection, largest first
-FULL_WAVE = 128   # programs that keep the H200's 132 SMs busy
+FULL_WAVE = 128   # programs that keep a GPU of about 128 SMs busy
 WRITE_TILE = 8192  # scores per step of the writing pass (one packed scan and a scatter)
 MAX_WRITE_TILE = 1 << 14   # the packed scan's 16-bit fields (the upper one signed) stay exact
 MAX_TILE = 1 << 20   # Triton's largest tensor
@@ -64,8 +60,8 @@ def _next_pow2(n: int) -> int:
 
 def _order_key(score):
     """fp32 scores (bf16-representable) -> the radix selection's int32 order keys
-    (``indexer._bf16_order_key``), NaN counted as -inf (never picked)."""
-    return _bf16_order_key(jnp.where(score != score, -jnp.inf, score))
+    (:func:`.common.bf16_order_key`), NaN counted as -inf (never picked)."""
+    return bf16_order_key(jnp.where(score != score, -jnp.inf, score))
 
 
 def _kernel(score_ref, out_ref, *, T, k, tile, n_tiles, k_pad, write_tile, seg_len, n_seg):
@@ -90,9 +86,8 @@ def _kernel(score_ref, out_ref, *, T, k, tile, n_tiles, k_pad, write_tile, seg_l
 
     if n_tiles == 1:
         resident = keys(0)
-    # the k-th largest key: the largest v with count(key >= v) >= k, bit by bit (a reduction
-    # per bit: fewer, wider steps measured slower, their extra reductions cost more than the
-    # steps they save)
+    # the k-th largest key: the largest v with count(key >= v) >= k, bit by bit (one
+    # reduction per bit)
     v = jnp.int32(0)
     for bit in range(15, -1, -1):
         cand = v | (1 << bit)
@@ -135,9 +130,7 @@ def default_segment(rows: int, T: int, k: int = 1) -> int:
     :data:`SEGMENTS` with ``2 k`` or more scores that gives at least :data:`FULL_WAVE`
     programs (``rows * ceil(T / segment)``), else the shortest of those; :data:`MAX_TILE` (one
     stage) if ``2 k`` is above every length. Rows that fit in the segment are selected in one
-    stage. Measured on the H200 (session 9, docs/benchmarks.md): at B=1-8 more segments are
-    faster (8K: 14-16 us over 32K-64K scores, against 22-34 us with 16K-32K), while at B=256
-    over 32K scores the one-stage kernel (256 programs) takes 60 us and 8K segments 78."""
+    stage."""
     fits = [seg for seg in SEGMENTS if 2 * k <= seg]
     for seg in fits:
         if rows * -(-T // seg) >= FULL_WAVE:
@@ -146,10 +139,10 @@ def default_segment(rows: int, T: int, k: int = 1) -> int:
 
 
 def preferred(rows: int, T: int, k: int) -> bool:
-    """Whether the kernel is the faster selection on the H200 for ``rows`` rows of ``T``
-    scores and top-``k``: yes, except where it would stream the whole row in one program
-    (rows longer than :data:`TILE` with ``2 k`` above every segment length: measured 2.2x
-    slower than the XLA radix selection over 64K scores in session 8)."""
+    """Whether the kernel is the selection to use for ``rows`` rows of ``T`` scores and
+    top-``k``: yes, except where it would stream the whole row in one program (rows longer
+    than :data:`TILE` with ``2 k`` above every segment length), where the XLA radix selection
+    is faster."""
     return not (T > TILE and default_segment(rows, T, k) >= T)
 
 
@@ -178,7 +171,7 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, interpret: bool = False
                 ) -> Int[Array, "B S k"]:
     """Top-``k`` positions of each row of ``score`` (fp32 [B, S, T], bf16-representable values,
     ``-inf`` / NaN allowed), ascending, ``-1`` after the last pick: int32 [B, S, min(k, T)].
-    Bit for bit :func:`dsv41_jax.layers.indexer.select_topk_radix` (spec 3.6f).
+    Bit for bit :func:`.reference.select_topk_radix` (spec 3.6f).
 
     Rows longer than ``segment`` scores (a power of two; default :func:`default_segment`;
     :data:`MAX_TILE`: one stage) with ``2 k <= segment`` are selected in stages: each

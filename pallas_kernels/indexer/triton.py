@@ -9,11 +9,9 @@ copy of the indexer K is written to HBM (the XLA path dequantises the whole K ev
 Channels are handled as 8 classes: int32 word w of a row holds the nibbles of channels
 8w .. 8w+7, so nibble c of every word is class c (channels 8w + c), one shift-and-mask per
 class; the dot is the sum over classes of ``q_c k_c^T`` (q read with a stride of 8). Channel
-8w + c has scale byte w // 4 (32 channels per scale). (The sparse attention kernel's chunk
-layout, the row interleaved back into channel order for one dot, measured 1.2-2.9x slower
-here on the H200 at 32 heads x 128 over 32K entries at B=1 to 64: docs/benchmarks.md.)
+8w + c has scale byte w // 4 (32 channels per scale).
 
-Numerics are the XLA path's (:func:`dsv41_jax.layers.indexer.index_scores`): ``dot`` rounded to
+Numerics are the XLA path's (:func:`.reference.index_scores`): ``dot`` rounded to
 bf16, ``bf16(relu(dot) * w_h)``, the fp32 sum over heads rounded to bf16, ``-inf`` for entries
 at or past ``visible``. Only the fp32 summation order of the dot and of the head sum differs,
 so a score can differ from XLA's by a bf16 rounding.
@@ -28,11 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.sparse_attention.triton import e2m1_over_16384
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-I32 = jnp.int32
+from pallas_kernels.indexer.common import BF16, F32, I32
+from pallas_kernels.sparse_attention.common import e2m1_over_16384
 N_CLS = 8
 DEFAULT_BLOCK_T = 128
 
@@ -51,9 +46,11 @@ def _kernel(q_ref, w_ref, vis_ref, k_ref, sc_ref, o_ref, *, S, T, J, block_t, in
     row = jnp.minimum(t, T - 1)
     col = jax.lax.broadcasted_iota(I32, (1, kc), 1)                            # word w
     words = k_ref[b, row, col]                                                 # [BT, kc]
+    # scale byte w // 4 of the row (32 channels per scale), from the row's scale bytes held
+    # as int32 words: byte j is bits 8 (j % 4) .. of word j // 4
+    s = (sc_ref[b, row, col // 16] >> (8 * ((col // 4) % 4))) & 0xFF
     # E8M0 byte u -> 2**(u-127) (the fp32 with exponent field u; byte 0, which the quantiser
     # never writes (its floor is byte 1), reads as 0 instead of 2**-127)
-    s = sc_ref[b, row, col // 4].astype(I32)
     s = jax.lax.bitcast_convert_type(s << 23, F32)
     acc = None
     for c in range(N_CLS):
@@ -94,7 +91,7 @@ def index_scores(q, w, codes, scale, visible, *, interpret: bool = False,
         return jnp.zeros((B, S, 0), F32)
     R = B * S
     n_tb = pl.cdiv(T, block_t)
-    words = jax.lax.bitcast_convert_type(codes.reshape(B, T, J // 8, 4), I32)     # free
+    words, scale_words = kernel_operands(codes, scale)
     kernel = functools.partial(_kernel, S=S, T=T, J=J, block_t=block_t, interpret=interpret)
     out = pl.pallas_call(
         kernel,
@@ -108,5 +105,24 @@ def index_scores(q, w, codes, scale, visible, *, interpret: bool = False,
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
         interpret=interpret,
         name="csa2_indexer_scores",
-    )(q.reshape(R, I, J), w.reshape(R, I), visible.reshape(R, 1).astype(I32), words, scale)
+    )(q.reshape(R, I, J), w.reshape(R, I), visible.reshape(R, 1).astype(I32), words,
+      scale_words)
     return out[:, :T].reshape(B, S, T)
+
+
+def kernel_operands(codes, scale):
+    """The two whole-array operands the kernel reads rows from, as int32 words (little-endian):
+    the codes [B, T, J/8] (a free bitcast) and the E8M0 scale bytes [B, T, ceil(J/128)] (each
+    row padded with zero bytes to whole words where J/32 is not a multiple of 4).
+
+    Words, not bytes: Pallas Triton addresses a whole-array operand with 32-bit element
+    offsets unless the array is over 2**32 bytes, so a byte array between 2**31 and 2**32
+    bytes would wrap (the scales of J = 128 from B x T = 2**29 entries on); as words every
+    operand up to 2**32 bytes has fewer than 2**31 elements."""
+    B, T, J2 = codes.shape
+    words = jax.lax.bitcast_convert_type(codes.reshape(B, T, J2 // 4, 4), I32)     # free
+    pad = -scale.shape[-1] % 4
+    if pad:
+        scale = jnp.pad(scale, ((0, 0), (0, 0), (0, pad)))
+    scale_words = jax.lax.bitcast_convert_type(scale.reshape(B, T, -1, 4), I32)
+    return words, scale_words

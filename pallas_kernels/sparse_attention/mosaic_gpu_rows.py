@@ -33,9 +33,6 @@ list ``4 L`` bytes, maxima / sums / sink / lse, barriers and Mosaic GPU's own sc
 lowering's budget check passes up to ``L = MAX_LIST = 3072`` entries (3136 is 48 bytes over
 the 227 KiB); the release lists 640.
 
-On the H200 (docs/benchmarks.md, sessions 12-13): the prefill row (4096 queries x 640
-entries, rows dequantised by XLA first) in 0.94 ms, 366 TFLOP/s (the Triton rows' kernel:
-1.42 ms); the outputs 99.97% bitwise equal to the XLA path, all within the check's tolerance.
 Decode runs over the packed rows (below): decoding every row once costs more than the
 attention there.
 
@@ -46,13 +43,11 @@ and decodes them into the tile (:func:`_decode_rows`: one code path per kind of 
 stores, the next block's rows prefetched into L2; 72 registers, the consumers 216). With
 whole-block lists (the release's 128 + 512) and a split count that divides the blocks, the
 kernel copies the window and top-k lists itself, block by block (no joint list is built).
-H200 (session 13, device time): B=256 84.3 us (254.6 TFLOP/s; Triton's packed kernel 157.7),
-B=64 32.9 us with 2 list splits (5.15x XLA; Triton 51.8), B=8 14.7 us with 10 (Triton 18.0).
 
 **List splits** (``n_splits``, flash-decoding): one CTA per (query row, split), each split
 a contiguous run of blocks; its fp32 partial state (``acc`` staged in the free tiles' shared
 memory and stored by TMA, in interpret mode from the registers; the maxima and denominators
-through shared memory) is merged by :func:`.triton.merge_splits`.
+through shared memory) is merged by :func:`.common.merge_splits`.
 
 Interpret mode (CPU, tests) cannot run the producer's ``cp.async`` (``plgpu.inline_mgpu``):
 there the producer copies each listed row by TMA into a plain staging buffer and moves it
@@ -73,16 +68,19 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.sparse_attention import mosaic_gpu as mg
-from pallas_kernels.sparse_attention import triton as tk
-from pallas_kernels.sparse_attention.mosaic_gpu import (BF16, F32, H_SUPPORTED, I32,
-                                                        K_SUPPORTED, NEG_START)
-from pallas_kernels.sparse_attention.reference import SOFTMAX_BLOCK, lse_with_sink
+from pallas_kernels.sparse_attention.common import (BF16, F32, I32, NEG_START, SOFTMAX_BLOCK,
+                                                    balanced_splits, decode_ptx, exp_of,
+                                                    joint_list, lse_with_sink, merge_splits,
+                                                    nonempty_rows)
+
+H_SUPPORTED = 64      # heads (all of a query row's in one CTA)
+K_SUPPORTED = 512     # head dim
 
 BN = SOFTMAX_BLOCK    # 64 list entries per block
 HALF_N = BN // 2      # entries of a block per consumer's score half
 HALF_K = K_SUPPORTED // 2   # output channels per consumer
 MAX_LIST = 3072       # padded list entries whose row list fits the shared memory (lowering: 3136 is 48 bytes over)
+LIST_CHUNK = 256      # list entries per TMA copy (a box holds <= 256 per dimension)
 ROW_BYTES = K_SUPPORTED * 2
 COPY_BYTES = 16       # one cp.async
 COLS_PER_ROW = ROW_BYTES // COPY_BYTES            # 64 copies per row
@@ -90,7 +88,7 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232
 # the packed producer holds PASS_ROWS rows' words and decodes them: more registers, and the
 # consumers give them up. The three warp groups share what the launch allocates, 168 per
 # thread (65536 / 384, in steps of 8): producer + 2 x consumer must stay <= 504, or a
-# consumer's setmaxnreg increase waits forever (64 + 2 x 224 hung the H200)
+# consumer's setmaxnreg increase waits forever
 PACKED_PRODUCER_REGS, PACKED_CONSUMER_REGS = 72, 216
 REG_POOL = 3 * 168
 assert PRODUCER_REGS + 2 * CONSUMER_REGS <= REG_POOL
@@ -278,7 +276,7 @@ def _decode_rows(rows_smem, wkv, wsc, mkv, msc, tile_smem, *, n_win: int, n_main
     Thread t decodes the 32 channels ``32 unit ..`` of rows ``first + 8 i`` (:func:`_lanes`:
     bank-conflict-free stores; i = 0..7), in passes of :data:`PASS_ROWS` rows whose loads are
     issued first, so that they are in flight together; the Triton kernel's PTX decode
-    (:func:`.triton.decode_ptx`: two codes per template, exact) on each word and the word
+    (:func:`.common.decode_ptx`: two codes per template, exact) on each word and the word
     shifted by one code gives two adjacent channels; four 16-byte shared stores at the
     swizzled chunks. The E8M0 byte 0 decodes to 0, not 2^-127 (as the Triton kernel; the
     quantisers never write it)."""
@@ -295,7 +293,7 @@ def _decode_rows(rows_smem, wkv, wsc, mkv, msc, tile_smem, *, n_win: int, n_main
         i64 = lambda x: a.extsi(m.i64, x)                   # noqa: E731
 
         def pair(fmt, word, nxt, sc):
-            return ptx(tk.decode_ptx(fmt, 0, 0), word, nxt, sc, sc, result_types=i32)
+            return ptx(decode_ptx(fmt, 0, 0), word, nxt, sc, sc, result_types=i32)
 
         def window_addrs(e):
             wrow = a.minsi(a.maxsi(e, m.c(0)), m.c(n_win - 1))
@@ -432,7 +430,7 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
     L = n_blocks * BN
     row_layout = plgpu.Layout.WGMMA.reduce(1)   # per head (row of the S / O tiles)
     col_layout = plgpu.Layout.WGMMA.reduce(0)   # per entry (column of S)
-    exp = tk.exp_of(softmax)
+    exp = exp_of(softmax)
 
     # ---- per-row inputs: the row list (everyone), q and the sink (the consumers) ----
     @pl.when(wg == 0)
@@ -440,7 +438,7 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
         plgpu.copy_gmem_to_smem(q_ref.at[qid], q_smem, q_bar)
         plgpu.copy_gmem_to_smem(sink_ref, sink_smem, q_bar)
         if not split_lists:
-            mg.copy_list(list_bar, lists[0].at[rid], rows_smem, L)
+            copy_list(list_bar, lists[0].at[rid], rows_smem, L)
             return
         win_ref, top_ref = lists
         n_wblocks = n_rows[2] // BN
@@ -483,8 +481,7 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
                     if kind != "mixed":   # (both kinds' addresses: not worth it)
                         decode(rows_smem.at[pl.ds(jj * BN, BN)], kind, prefetch=True)
 
-                # the next block's rows towards L2, so that its loads hit L2 (H200, B=256:
-                # 84.5 against 92.3 us without; two blocks ahead 85.8)
+                # the next block's rows towards L2, so that its loads hit L2
                 pl.when(j + 1 < n_blocks)(
                     lambda: for_kind(j + 1, functools.partial(prefetch, j + 1)))
                 for_kind(j, functools.partial(decode, block_rows))
@@ -618,7 +615,7 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
             if acc_stage is None:   # (interpret mode) registers -> global memory
                 acc_ref.at[rid, :, cols][...] = acc
             else:   # through the free tiles' memory (both passed the last PV product), by
-                # TMA (H200: B=64 kernel 28.5 against 29.4 us from the registers)
+                # TMA
                 acc_stage.at[wg][...] = acc
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(acc_stage.at[wg], acc_ref.at[rid, :, cols])
@@ -636,15 +633,99 @@ def _kernel(q_ref, *refs, S, n_blocks, n_splits, n_rows, scale, interpret, softm
         sink = plgpu.load(sink_smem, layout=row_layout)
         den = l_tot + exp(sink - m_i)
         o = acc / lax.broadcast_in_dim(den, acc.shape, [0])
-        mg.store_row_outputs(q_smem, o_ref, lse_smem, lse_ref, rid, wg, cols, o.astype(BF16),
+        store_row_outputs(q_smem, o_ref, lse_smem, lse_ref, rid, wg, cols, o.astype(BF16),
                              lse_with_sink(m_i, l_tot, sink))
 
 
-def balanced_splits(n_splits: int, n_blocks: int) -> int:
-    """The list splits a call runs: at most one per block, then the fewest with the same
-    blocks per split (no split is empty; the last may be shorter)."""
-    n_splits = max(1, min(n_splits, n_blocks))
-    return -(-n_blocks // -(-n_blocks // n_splits))
+def copy_list(bar, src, dst, n_list: int) -> int:
+    """TMA copies of a row list ``src`` (int32 GMEM ref [n_list]) into ``dst`` (SMEM) onto
+    ``bar``, in boxes of at most ``LIST_CHUNK`` entries (a TMA box holds <= 256 per dimension);
+    returns the number of copies (``bar``'s arrivals)."""
+    for c in range(0, n_list, LIST_CHUNK):
+        n = min(LIST_CHUNK, n_list - c)
+        plgpu.copy_gmem_to_smem(src.at[pl.ds(c, n)], dst.at[pl.ds(c, n)], bar)
+    return -(-n_list // LIST_CHUNK)
+
+
+def store_row_outputs(stage, o_ref, lse_smem, lse_ref, rid, wg, cols, o, lse):
+    """Query row ``rid``'s results, each warp group ``wg`` its output channels ``cols``: ``o``
+    (bf16 [64, |cols|], WGMMA layout) through the free tiled buffer ``stage`` (TMA needs a
+    contiguous source: one 8-row tile row per copy), ``lse`` (fp32 [64]) through ``lse_smem``
+    by warp group 0; waits for the copies."""
+    stage.at[:, cols][...] = o
+
+    @pl.when(wg == 0)
+    def _():
+        lse_smem[...] = lse
+    plgpu.commit_smem()
+    for t in range(H_SUPPORTED // 8):
+        plgpu.copy_smem_to_gmem(stage.at[pl.ds(8 * t, 8), cols],
+                                o_ref.at[rid, pl.ds(8 * t, 8), cols])
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rid])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def row_kernel(kernel, scratch, R: int, *, num_threads: int, name: str, interpret: bool,
+               partial: bool = False):
+    """``plgpu.kernel`` of a kernel with one CTA per row list (``R`` of them, grid axis "row"),
+    ``num_threads`` warp groups (axis "wg"), Lane semantics, returning o bf16 [R, 64, 512] and
+    lse fp32 [R, 64]; with ``partial`` (list splits: a list per split) each list's partial
+    softmax state for :func:`.common.merge_splits`: acc fp32 [R, 64, 512], m and l fp32
+    [R, 64]."""
+    o_dtype = F32 if partial else BF16
+    out_type = (jax.ShapeDtypeStruct((R, H_SUPPORTED, K_SUPPORTED), o_dtype),
+                *[jax.ShapeDtypeStruct((R, H_SUPPORTED), F32)] * (2 if partial else 1))
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(R,),
+        grid_names=("row",),
+        num_threads=num_threads,
+        thread_name="wg",
+        kernel_name=name,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+
+
+def _check_supported(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink):
+    if q.ndim != 4:
+        raise ValueError(f"q: expected [B, S, H, K], got shape {q.shape}")
+    B, S, H, K = q.shape
+    if H != H_SUPPORTED or K != K_SUPPORTED:
+        raise ValueError(f"the Mosaic GPU kernel needs H == {H_SUPPORTED} heads and K == "
+                         f"{K_SUPPORTED} channels, got H={H}, K={K}")
+    if q.dtype != BF16:
+        raise ValueError(f"q: expected bfloat16, got {q.dtype}")
+
+    def check(name, x, shape, dtype):
+        if x.shape[:1] + x.shape[2:] != shape[:1] + shape[2:] or x.ndim != len(shape):
+            raise ValueError(f"{name}: expected shape {shape}, got {x.shape}")
+        if x.dtype != jnp.dtype(dtype):
+            raise ValueError(f"{name}: expected dtype {jnp.dtype(dtype).name}, got {x.dtype}")
+
+    check("win_kv", win_kv, (B, None, K), jnp.float8_e4m3fn)
+    check("win_scale", win_scale, (B, None, K // 32), jnp.uint8)
+    if win_scale.shape[1] != win_kv.shape[1]:
+        raise ValueError("win_scale: rows must match win_kv")
+    if win_idx.shape[:2] != (B, S) or win_idx.dtype != I32:
+        raise ValueError(f"win_idx: expected int32 [B, S, Ww], got {win_idx.dtype} "
+                         f"{win_idx.shape}")
+    if sink.shape != (H,):
+        raise ValueError(f"sink: expected shape ({H},), got {sink.shape}")
+    if topk is not None:
+        if topk.shape[:2] != (B, S) or topk.dtype != I32:
+            raise ValueError(f"topk: expected int32 [B, S, k], got {topk.dtype} {topk.shape}")
+        if main is None or main_scale is None:
+            raise ValueError("main, main_scale: required when topk is given")
+        check("main", main, (B, None, K // 2), jnp.uint8)
+        check("main_scale", main_scale, (B, None, K // 16), jnp.float8_e4m3fn)
+        if main_scale.shape[1] != main.shape[1]:
+            raise ValueError("main_scale: rows must match main")
 
 
 def on_hopper_or_unknown() -> bool:
@@ -668,7 +749,7 @@ def _check(q, kv, rows, sink):
         raise ValueError(f"rows: expected int32 [{B}, {S}, L], got {rows.dtype} {rows.shape}")
     if rows.shape[-1] % BN:
         raise ValueError(f"rows: {rows.shape[-1]} entries is not a whole number of {BN}-entry "
-                         f"blocks (pad with -1: triton_dense.joint_list)")
+                         f"blocks (pad with -1: common.joint_list)")
     if rows.shape[-1] > MAX_LIST:
         raise ValueError(f"rows: at most {MAX_LIST} entries fit the shared memory, got "
                          f"{rows.shape[-1]}")
@@ -687,14 +768,14 @@ def sparse_attention_rows(q: Float[Array, "B S 64 512"], kv: Float[Array, "B N 5
       q: bf16 [B, S, 64, 512] queries.
       kv: bf16 [B, N, 512] rows (:func:`.triton_dense.dense_rows`), N >= 1.
       rows: int32 [B, S, L] rows of ``kv`` per query in the reference's order, -1 = no entry,
-        L a multiple of 64 and at most ``MAX_LIST`` (:func:`.triton_dense.joint_list`);
+        L a multiple of 64 and at most ``MAX_LIST`` (:func:`.common.joint_list`);
         entries past the end read the last row.
       sink: fp32 [64] sink logits. scale: the softmax scale (static).
       interpret: Mosaic GPU interpret mode (CPU; slow, for tests).
       softmax: the exponential, ``"exp2"`` (``exp2(x log2 e)``, the Triton kernels' default)
-        or ``"exp"`` (:func:`.triton.exp_of`).
+        or ``"exp"`` (:func:`.common.exp_of`).
       n_splits: list splits (flash-decoding: one CTA per query row and split, each split's
-        fp32 partial state merged by :func:`.triton.merge_splits`); cut to at most one per
+        fp32 partial state merged by :func:`.common.merge_splits`); cut to at most one per
         64-entry block, then balanced (:func:`balanced_splits`). 1 keeps the reference's
         block order.
 
@@ -707,13 +788,16 @@ def sparse_attention_rows(q: Float[Array, "B S 64 512"], kv: Float[Array, "B N 5
         ``n_splits < 1``, a GPU that is not Hopper (outside interpret mode).
     """
     _check(q, kv, rows, sink)
-    tk.exp_of(softmax)   # ValueError for an unknown name
+    exp_of(softmax)   # ValueError for an unknown name
     _check_splits(n_splits)
     if not interpret and not on_hopper_or_unknown():
         raise ValueError("the Mosaic GPU kernels need a Hopper GPU (sm_90: wgmma, setmaxnreg)")
     call = functools.partial(_rows_call, scale=float(scale), interpret=interpret,
                              softmax=softmax, n_splits=int(n_splits))
-    if interpret:   # eager: see mosaic_gpu.sparse_attention (interpreter callbacks on 2 cores)
+    # interpret mode runs eagerly: under jit the interpreter's blocking barrier callbacks and
+    # the outer thread-map callback can occupy every XLA:CPU worker thread of a small machine
+    # and deadlock; eager, the outer callback runs in Python
+    if interpret:
         with jax.disable_jit():
             return call(q, kv, rows, sink)
     return call(q, kv, rows, sink)
@@ -750,16 +834,15 @@ def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
       ValueError: other shapes or dtypes, a joint list over ``MAX_LIST``, an unknown
         ``softmax``, ``n_splits < 1``, a GPU that is not Hopper.
     """
-    from pallas_kernels.sparse_attention import triton_dense as td
-    tk.exp_of(softmax)
+    exp_of(softmax)
     _check_splits(n_splits)
-    mg._check_supported(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink)
+    _check_supported(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink)
     if not on_hopper_or_unknown():
         raise ValueError("the Mosaic GPU kernels need a Hopper GPU (sm_90: wgmma, setmaxnreg)")
     B, S, H, K = q.shape
     if topk is None:
         main = main_scale = None
-    win_kv, win_scale, main, main_scale = tk.nonempty_rows(win_kv, win_scale, main, main_scale)
+    win_kv, win_scale, main, main_scale = nonempty_rows(win_kv, win_scale, main, main_scale)
     if main is None:   # a dummy main KV that no entry selects
         main = jnp.zeros((B, 1, K // 2), jnp.uint8)
         main_scale = jnp.zeros((B, 1, K // 16), jnp.float8_e4m3fn)
@@ -780,7 +863,7 @@ def sparse_attention_packed(q: Float[Array, "B S 64 512"], win_kv, win_scale,
         lists = (win_idx.astype(I32), topk.astype(I32))
         n_rows = (n_win, n_main, n_wlist, 0)
     else:
-        lists = (td.joint_list(win_idx, topk, n_win, n_main),)
+        lists = (joint_list(win_idx, topk, n_win, n_main),)
         n_rows = (n_win, n_main, n_wlist, n_win)
     _check(q, jax.ShapeDtypeStruct((B, 1, K), BF16),
            jax.ShapeDtypeStruct((B, S, n_blocks * BN), I32), sink)   # (shapes and dtypes)
@@ -805,7 +888,7 @@ def _check_splits(n_splits):
 def _call(q, lists, data, sink, *, n_rows, scale, interpret, softmax, packed, n_splits):
     """The kernel over ``lists`` of ``data``: the joint list (int32 [B, S, L], clamped, -1 = no
     entry), or (packed, whole blocks) the window and top-k lists; with list splits, their
-    partial states merged by :func:`.triton.merge_splits`."""
+    partial states merged by :func:`.common.merge_splits`."""
     B, S, H, K = q.shape
     R = B * S
     split_lists = len(lists) == 2
@@ -837,7 +920,7 @@ def _call(q, lists, data, sink, *, n_rows, scale, interpret, softmax, packed, n_
         plgpu.SMEM((H,), F32),                                   # sink
         plgpu.SMEM((H,), F32),                                   # lse staging
         # the list: one copy per block (split lists) or per LIST_CHUNK entries
-        plgpu.Barrier(num_arrivals=L // BN if split_lists else -(-L // mg.LIST_CHUNK)),
+        plgpu.Barrier(num_arrivals=L // BN if split_lists else -(-L // LIST_CHUNK)),
         plgpu.Barrier(num_arrivals=2),                           # q and the sink
         plgpu.Barrier(num_arrivals=1, num_barriers=2),           # tile full (producer)
         plgpu.Barrier(num_arrivals=2, num_barriers=2),           # tile free (consumers)
@@ -849,13 +932,13 @@ def _call(q, lists, data, sink, *, n_rows, scale, interpret, softmax, packed, n_
                                n_rows=n_rows, scale=scale, interpret=interpret,
                                softmax=softmax, packed=packed, split_lists=split_lists)
     name = "csa2_sparse_attention_packed_mgpu" if packed else "csa2_sparse_attention_rows_mgpu"
-    outs = mg.row_kernel(kernel, scratch, R * n_splits, num_threads=3, name=name,
+    outs = row_kernel(kernel, scratch, R * n_splits, num_threads=3, name=name,
                          interpret=interpret, partial=n_splits > 1)(
         q.reshape(R, H, K), *lists, *data, sink.astype(F32))
     if n_splits == 1:
         o, lse = outs
     else:
         acc, m, l = (x.reshape(R, n_splits, *x.shape[1:]) for x in outs)
-        o, lse = tk.merge_splits(acc, m, l, sink.astype(F32), softmax=softmax,
+        o, lse = merge_splits(acc, m, l, sink.astype(F32), softmax=softmax,
                                  interpret=interpret)
     return o.reshape(B, S, H, K), lse.reshape(B, S, H)

@@ -26,23 +26,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt8
 
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-E4M3 = jnp.float8_e4m3fn
-SOFTMAX_BLOCK = 64  # the reference kernel's online-softmax block (spec 3.8)
-E2M1_LUT = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+from pallas_kernels.sparse_attention.common import (BF16, E2M1_LUT, F32, SOFTMAX_BLOCK,
+                                                    lse_with_sink, pad_list)
 
-
-def pad_list(idx: Int[Array, "B S N"], multiple: int = SOFTMAX_BLOCK) -> Int[Array, "B S M"]:
-    """Pad an index list with -1 (no entry) to a multiple of ``multiple`` entries."""
-    pad = -idx.shape[-1] % multiple
-    if not pad:
-        return idx
-    return jnp.pad(idx, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
+__all__ = ["E2M1_LUT", "SOFTMAX_BLOCK", "blocked_sink_softmax", "dequant_main", "dequant_window",
+           "gather_rows", "lse_with_sink", "pad_list", "sparse_attention_xla"]
 
 
 def blocked_sink_softmax(q: Float[Array, "B S H K"], kv: Float[Array, "B S N K"],
@@ -80,13 +70,6 @@ def blocked_sink_softmax(q: Float[Array, "B S H K"], kv: Float[Array, "B S N K"]
     sink = sink.astype(F32)[None, None, :]
     o = (acc / (l + jnp.exp(sink - m))[..., None]).astype(BF16)
     return o, lse_with_sink(m, l, sink)
-
-
-def lse_with_sink(m: Float[Array, "..."], l: Float[Array, "..."], sink: Float[Array, "..."]
-                  ) -> Float[Array, "..."]:
-    """``log(l * e^m + e^sink)`` without overflow (``m`` may be the -1e30 start value)."""
-    top = jnp.maximum(m, sink)
-    return top + jnp.log(l * jnp.exp(m - top) + jnp.exp(sink - top))
 
 
 def gather_rows(arr: jax.Array, idx: Int[Array, "B S N"]) -> jax.Array:

@@ -57,11 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.sparse_attention.reference import SOFTMAX_BLOCK, pad_list
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-I32 = jnp.int32
+from pallas_kernels.sparse_attention.common import BF16, F32, I32, SOFTMAX_BLOCK, pad_list
 NEG_INIT = -1e30        # running-max start value (spec 3.8)
 PLANES = 8              # e2m1 nibbles per 32-bit word
 SMEM_LIST_WORDS = 1 << 15  # index-list entries prefetched to SMEM per pallas_call (128 KiB)
@@ -373,7 +369,7 @@ def _sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sin
     length), mapped with ``lax.map`` when there is more than one chunk."""
     B, S, H, K = q.shape
     if K % 128:
-        raise ValueError(f"mosaic_tpu sparse attention needs K % 128 == 0, got K={K}")
+        raise ValueError(f"the TPU sparse attention kernel needs K % 128 == 0, got K={K}")
     hb = H if block_h is None else int(block_h)
     if H % hb or (hb != H and hb % 8):
         raise ValueError(f"block_h={hb} must divide H={H} and be a multiple of 8 (or H)")

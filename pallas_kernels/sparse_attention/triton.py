@@ -17,7 +17,7 @@ cores, and its rows are dequantised once for all those heads.
   ``"index"`` (the list entries of block j+1 are loaded during block j) or ``"late"`` (the rows
   of block j+1 are loaded once block j's scores are computed). With 64 heads the [64, 512]
   fp32 accumulator takes half the registers of 8 warps, and rows held across the score phase
-  made the compiler spill: loading them late or not ahead at all measured faster.
+  make the compiler spill.
 * The window list and the top-k list are read in place when each is a whole number of
   64-entry blocks (the release's 128 + 512); otherwise they are concatenated (and padded) in
   XLA first, one more kernel per call.
@@ -31,10 +31,9 @@ cores, and its rows are dequantised once for all those heads.
   drops from 1912 to 1676 SASS instructions, and to 1612 with the PTX decode's shifts cut,
   :func:`decode_ptx`). On CPU, XLA folds ``exp2(x * log2 e)`` back
   into ``exp(x)``, so interpret mode cannot tell the two apart: the GPU's ``ex2`` is checked
-  against the XLA path on the H200 (``bench_kernels.py --check``).
+  against the XLA path on a GPU (the kernel benchmark's ``--check``).
 * ``dequant``: ``"jnp"``, or ``"asm"`` (a PTX decode without per-element conversion
-  instructions, bitwise equal to the jnp decode). :func:`default_tuning` holds the measured
-  choices (docs/benchmarks.md).
+  instructions, bitwise equal to the jnp decode). :func:`default_tuning` holds the defaults.
 * ``kv="dense"`` hands the call to :mod:`.triton_dense` (rows decoded once, then gathered as
   bf16), the default where each row is listed many times (prefill chunks).
 
@@ -43,7 +42,7 @@ instructions and runs unchanged in Pallas interpret mode on CPU. The state never
 fp8 NaN codes (the quantisers clip); the kernel would decode them as +-480, where the XLA path
 gives NaN. Listed indices are clamped to the array like the XLA path's gather.
 
-Resource use of the GPU build can be read on a CPU machine: ``scripts/triton_report.py``
+Resource use of the GPU build can be read on a CPU machine: ``tools/triton_report.py``
 lowers the kernel for an H200 and, with the standalone ``triton`` package installed, compiles
 it for sm_90a and prints registers, spills and the instruction mix.
 """
@@ -51,67 +50,27 @@ it for sm_90a and prints registers, spills and the instruction mix.
 from __future__ import annotations
 
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Float
 
-from pallas_kernels.sparse_attention.reference import SOFTMAX_BLOCK, lse_with_sink, pad_list
+from pallas_kernels.sparse_attention.common import (BF16, F32, I32, MERGE, NEG_START, SOFTMAX,
+                                                    SOFTMAX_BLOCK, decode_ptx, e4m3_over_256,
+                                                    empty_result, exp_of, list_splits,
+                                                    lse_with_sink, merge_splits,
+                                                    merge_splits_xla, nonempty_rows, pad_heads,
+                                                    pad_list)
+from pallas_kernels.sparse_attention.common import _f16_to_f32
 
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-I32 = jnp.int32
-NEG_START = -1e30  # the reference kernel's initial running max
 PREFETCH = ("none", "index", "late")
 DEQUANT = ("jnp", "asm")
-SOFTMAX = ("exp", "exp2")
-MERGE = ("xla", "triton")
-KV = ("packed", "dense")
-LOG2E = 1.4426950408889634
-
-
-def exp_of(softmax: str):
-    """The softmax's exponential: ``"exp"``, libdevice ``expf`` (about 10 instructions);
-    ``"exp2"``, ``exp2(x * log2(e))`` (a multiply and one ``MUFU.EX2``). The argument ``x`` is
-    formed as in the reference (``s * scale - m``), so the base change only rounds ``x *
-    log2(e)``: an error relative to ``x``, small where ``P`` is large (folding log2(e) into the
-    score scale instead would round ``s * scale * log2(e)``, and moved twice as many bf16(P)
-    roundings on the H200: docs/benchmarks.md).
-
-    Raises ``ValueError`` for a name not in :data:`SOFTMAX`."""
-    if softmax not in SOFTMAX:
-        raise ValueError(f"softmax must be one of {SOFTMAX}, got {softmax!r}")
-    if softmax == "exp2":
-        return lambda x: jnp.exp2(x * LOG2E)
-    return jnp.exp
 
 
 def _shl(x, n: int):
     """``x << n`` for n >= 0, ``x >> -n`` otherwise (the bits kept are masked by the caller)."""
     return x << n if n >= 0 else x >> -n
-
-
-def _f16_to_f32(bits):
-    """int32 holding fp16 bits in its low 16 -> fp32 (exact; fp16 subnormals are f32 normals)."""
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
-
-
-def e4m3_over_256(b):
-    """e4m3fn byte (int32 0..255; never the NaN code in our data) -> value * 2**-8, exactly.
-
-    The 7 low bits land in an fp16's exponent low 4 bits and mantissa top 3 bits, so the fp16
-    reads ``2**(e-15) * (1 + m/8)`` (subnormal ``m/8 * 2**-14`` when e = 0): the e4m3 value
-    times 2**-8. No f32 denormals are involved, so CPU flush-to-zero cannot change it.
-    """
-    return _f16_to_f32(((b & 0x80) << 8) | ((b & 0x7F) << 7))
-
-
-def e2m1_over_16384(c):
-    """e2m1 nibble (int32 0..15) -> value * 2**-14, exactly (same fp16 bit placement)."""
-    return _f16_to_f32(((c & 8) << 12) | ((c & 7) << 9))
 
 
 def _e4m3_field(words, k: int):
@@ -123,47 +82,6 @@ def _e2m1_field(words, n: int):
     """Nibble ``n`` of each int32 word, an e2m1 code -> value * 2**-14 (fp32; as
     e2m1_over_16384)."""
     return _f16_to_f32((_shl(words, 12 - 4 * n) & 0x8000) | (_shl(words, 9 - 4 * n) & 0x0E00))
-
-
-# PTX for the GPU build (``dequant="asm"``): one code field of two adjacent words -> bf16x2,
-# exactly, with no conversion instructions. ``prmt`` puts the byte holding the code of each
-# word into both bytes of a 16-bit half; the code's bits are placed where a bf16's low exponent
-# and high mantissa bits are (the magnitude from the low copy, the sign from the high copy),
-# which reads as the value times 2**-126 (e2m1) or 2**-120 (e4m3), subnormals included; two
-# exact bf16x2 multiplies (that power of two, then the scale: the products have <= 8
-# significant bits) give the dequantised pair.
-# $0: the bf16 pair; $1, $2: the two int32 words; $3, $4: their scales' bf16 bits.
-_DECODE_PTX = """{{
-.reg .b32 x, a, b, c, s;
-prmt.b32 x, $1, $2, {sel};
-shl.b32 a, x, {mag_shl};
-and.b32 a, a, {mag_mask};
-{sign}
-or.b32 a, a, b;
-mov.b32 c, {pow2};
-mul.rn.bf16x2 a, a, c;
-prmt.b32 s, $3, $4, 0x5410;
-mul.rn.bf16x2 $0, a, s;
-}}"""
-# per format: the magnitude's bit 0 goes to bit 6 (e2m1: 3 bits) or 4 (e4m3: 7 bits), and the
-# bf16x2 power of two that undoes the placement (2**126, 2**120)
-_DECODE_FIELDS = {"e2m1": (6, "0x01C001C0", "0x7E807E80"), "e4m3": (4, "0x07F007F0", "0x7B807B80")}
-
-
-def decode_ptx(fmt: str, byte: int, shift: int) -> str:
-    """The PTX decoding format ``fmt`` ("e2m1" | "e4m3") from byte ``byte`` of each word, the
-    code at bit ``shift`` of that byte (4: the high nibble).
-
-    After the ``prmt``, each half holds the byte twice, so the code's magnitude (bits
-    ``shift..``) moves left by ``target - shift`` and its sign bit ``shift + width - 1`` sits at
-    bit ``8 + shift + width - 1`` of the half: already at bit 15 for the high nibble and e4m3
-    (one shift fewer each than with a right shift first), 4 below it for the low nibble."""
-    target, mag_mask, pow2 = _DECODE_FIELDS[fmt]
-    sign_bit = 8 + shift + (3 if fmt == "e2m1" else 7)
-    sign = ("and.b32 b, x, 0x80008000;" if sign_bit == 15 else
-            f"shl.b32 b, x, {15 - sign_bit};\nand.b32 b, b, 0x80008000;")
-    return _DECODE_PTX.format(sel=hex(byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12),
-                              mag_shl=target - shift, mag_mask=mag_mask, sign=sign, pow2=pow2)
 
 
 def _field_asm(fmt: str, byte: int, shift: int, words, scale_bits):
@@ -178,7 +96,6 @@ def _field_asm(fmt: str, byte: int, shift: int, words, scale_bits):
 def _bf16_bits(x_bf16):
     """bf16 tile -> int32 tile of its bits."""
     return jax.lax.bitcast_convert_type(x_bf16, jnp.int16).astype(I32) & 0xFFFF
-
 
 
 def interleave_tiles(tiles):
@@ -258,19 +175,27 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
     def run(ref, row, start, n):
         return ref[b, row, start + jnp.arange(n, dtype=I32)[None, :]]
 
+    def scale_bytes(ref, row, start, n):
+        """int32 [BN, n]: scale bytes start .. start + n - 1 of each listed row, from the
+        rows' scale bytes held as int32 words (``n`` a power of two; below 4 the bytes lie
+        in one word)."""
+        words = run(ref, row, start // 4, max(1, n // 4))
+        return interleave_tiles([(words >> (8 * (start % 4 + k))) & 0xFF
+                                 for k in range(min(4, n))])
+
     # -- loads of one block: per chunk, the words and the scale of each word ------------------
     def load_window(idx):   # 4 e4m3 codes per word, one E8M0 scale per 32 channels (8 words)
         row = jnp.clip(idx, 0, max(n_rows_win - 1, 0))[:, None]   # as XLA's gather; -1 -> 0
         W, G = KC // 4, KC // 32
         return tuple((run(wkv_ref, row, c * W, W),
-                      repeat_columns(run(wsc_ref, row, c * G, G).astype(I32), 8))
+                      repeat_columns(scale_bytes(wsc_ref, row, c * G, G), 8))
                      for c in range(n_chunks))
 
     def load_main(idx):     # 8 e2m1 codes per word, one E4M3 scale per 16 channels (2 words)
         row = jnp.clip(idx, 0, max(n_rows_main - 1, 0))[:, None]
         W, G = KC // 8, KC // 16
         return tuple((run(mkv_ref, row, c * W, W),
-                      repeat_columns(run(msc_ref, row, c * G, G).astype(I32), 2))
+                      repeat_columns(scale_bytes(msc_ref, row, c * G, G), 2))
                      for c in range(n_chunks))
 
     # -- dequantisation of one chunk -> bf16 [BN, KC] in channel order ------------------------
@@ -440,259 +365,75 @@ def finish(outs, sink, *, n_splits: int, merge: str, softmax: str, block_h: int,
     return o.reshape(B, S, H, K), lse.reshape(B, S, H)
 
 
-def empty_result(q, sink):
-    """The op's result when nothing is listed: ``o = 0`` bf16 like ``q`` [B, S, H, K],
-    ``lse = sink`` fp32 [B, S, H]."""
-    B, S, H, _ = q.shape
-    return jnp.zeros(q.shape, BF16), jnp.broadcast_to(sink.astype(F32), (B, S, H))
-
-
-def pad_heads(q, sink, fn):
-    """``fn(q, sink)`` with fewer than 16 heads padded by zero queries (and sinks) to the
-    16-row tensor-core tile, the padding heads cut from its ``(o, lse)``."""
-    H = q.shape[2]
-    o, lse = fn(jnp.pad(q, ((0, 0), (0, 0), (0, 16 - H), (0, 0))), jnp.pad(sink, (0, 16 - H)))
-    return o[:, :, :H], lse[:, :, :H]
-
-
-def nonempty_rows(win_kv, win_scale, main, main_scale):
-    """The row arrays with one zero row in place of an empty one (``main`` may be None), so
-    that every read stays in bounds: a listed entry of an empty part reads zeros, as XLA's
-    gather from an empty array does."""
-    B, _, K = win_kv.shape
-    if win_kv.shape[1] == 0:
-        win_kv = jnp.zeros((B, 1, K), win_kv.dtype)
-        win_scale = jnp.zeros((B, 1, K // 32), win_scale.dtype)
-    if main is not None and main.shape[1] == 0:
-        main = jnp.zeros((B, 1, K // 2), main.dtype)
-        main_scale = jnp.zeros((B, 1, K // 16), main_scale.dtype)
-    return win_kv, win_scale, main, main_scale
-
-
-def list_splits(programs: int, n_blocks: int) -> int:
-    """List splits (flash-decoding) for ``programs`` (query row, head block) programs over
-    ``n_blocks`` list blocks: none from 128 programs (about one per SM) on; otherwise up to one
-    block per split until 128, balanced (the fewest splits with the same blocks per split)."""
-    if programs >= 128 or n_blocks < 1:
-        return 1
-    n_splits = min(n_blocks, -(-128 // programs))
-    return -(-n_blocks // -(-n_blocks // n_splits))
-
-
 def _words(a):
-    """[B, N, F] 1-byte array -> int32 words [B, N, F/4] (a free bitcast, little-endian)."""
+    """[B, N, F] 1-byte array -> int32 words [B, N, ceil(F/4)] (little-endian; a free bitcast
+    when F is a multiple of 4, else each row is padded with zero bytes first)."""
     u8 = jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype != jnp.uint8 else a
-    return jax.lax.bitcast_convert_type(u8.reshape(*a.shape[:-1], -1, 4), I32)
-
-
-def merge_splits_xla(acc: Float[Array, "R P H K"], m: Float[Array, "R P H"],
-                     l: Float[Array, "R P H"], sink: Float[Array, "H"], softmax: str = "exp"
-                     ) -> tuple[Float[Array, "R H K"], Float[Array, "R H"]]:
-    """The list splits' partial softmax states -> ``(o bf16 [R, H, K], lse fp32 [R, H])``.
-
-    ``acc`` fp32 [R, P, H, K] (unnormalised ``sum P V`` of each of the P splits), ``m`` the
-    splits' running maxima, ``l`` their denominators (without the sink); ``sink`` fp32 [H]
-    logits; ``softmax`` the exponential (:func:`exp_of`). The reference of
-    :func:`merge_splits`.
-    """
-    exp = exp_of(softmax)
-    top = jnp.max(m, axis=1, keepdims=True)
-    w = exp(m - top)
-    l_tot = jnp.sum(l * w, axis=1)
-    acc = jnp.sum(acc * w[..., None], axis=1)
-    top = top[:, 0]
-    sink = sink[None, :]
-    o = (acc / (l_tot + exp(sink - top))[..., None])
-    return o.astype(BF16), lse_with_sink(top, l_tot, sink)
-
-
-def _merge_kernel(acc_ref, m_ref, l_ref, sink_ref, o_ref, lse_ref, *, n_splits, softmax):
-    """Program (row, head block, channel block): the splits' maxima, then one pass over their
-    accumulators (fp32 sums in split order)."""
-    exp = exp_of(softmax)
-    ms = [m_ref[p, :] for p in range(n_splits)]
-    top = functools.reduce(jnp.maximum, ms)
-    ws = [exp(mp - top) for mp in ms]
-    l_tot = functools.reduce(operator.add, [l_ref[p, :] * w for p, w in enumerate(ws)])
-    acc = functools.reduce(operator.add, [acc_ref[p] * w[:, None] for p, w in enumerate(ws)])
-    sink = sink_ref[...]
-    den = l_tot + exp(sink - top)
-    o_ref[...] = (acc / den[:, None]).astype(BF16)
-    lse_ref[...] = lse_with_sink(top, l_tot, sink)
-
-
-def merge_splits(acc: Float[Array, "R P H K"], m: Float[Array, "R P H"], l: Float[Array, "R P H"],
-                 sink: Float[Array, "H"], softmax: str = "exp", *, block_h: int = 8,
-                 block_k: int = 128, interpret: bool = False
-                 ) -> tuple[Float[Array, "R H K"], Float[Array, "R H"]]:
-    """:func:`merge_splits_xla` in one Pallas Triton kernel (XLA runs it as two fusions): one
-    program per (row, ``block_h`` heads, ``block_k`` channels); small blocks, so that at decode
-    B=8 the 8 rows x 64 heads x 512 channels make 256 programs. Blocks larger than the heads /
-    channels are cut to them.
-
-    Raises ``ValueError`` if ``m``, ``l`` or ``sink`` do not match ``acc``'s [R, P, H] / [H],
-    or ``block_h`` / ``block_k`` is not a power of two dividing the heads / channels.
-    """
-    R, P, H, K = acc.shape
-    for name, x, shape in (("m", m, (R, P, H)), ("l", l, (R, P, H)), ("sink", sink, (H,))):
-        if x.shape != shape:
-            raise ValueError(f"{name}: expected shape {shape} (acc is {acc.shape}), got {x.shape}")
-    block_h, block_k = min(block_h, H), min(block_k, K)
-    for name, b, n in (("block_h", block_h, H), ("block_k", block_k, K)):
-        if b < 1 or n % b or b & (b - 1):
-            raise ValueError(f"{name}={b} must be a power of two dividing {n}")
-    kernel = functools.partial(_merge_kernel, n_splits=P, softmax=softmax)
-    return pl.pallas_call(
-        kernel, grid=(R, H // block_h, K // block_k),
-        in_specs=[pl.BlockSpec((None, P, block_h, block_k), lambda r, h, c: (r, 0, h, c)),
-                  pl.BlockSpec((None, P, block_h), lambda r, h, c: (r, 0, h)),
-                  pl.BlockSpec((None, P, block_h), lambda r, h, c: (r, 0, h)),
-                  pl.BlockSpec((block_h,), lambda r, h, c: (h,))],
-        out_specs=(pl.BlockSpec((None, block_h, block_k), lambda r, h, c: (r, h, c)),
-                   pl.BlockSpec((None, block_h), lambda r, h, c: (r, h))),
-        out_shape=(jax.ShapeDtypeStruct((R, H, K), BF16), jax.ShapeDtypeStruct((R, H), F32)),
-        interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        name="csa2_merge_splits",
-    )(acc, m, l, sink)
-
-
-# query rows from which the packed rows go to the Mosaic GPU kernel by default (measured from
-# B=8 on; B=1 keeps Triton's 32-head programs)
-MGPU_MIN_ROWS = 8
+    pad = -u8.shape[-1] % 4
+    if pad:
+        u8 = jnp.pad(u8, ((0, 0),) * (u8.ndim - 1) + ((0, pad),))
+    return jax.lax.bitcast_convert_type(u8.reshape(*u8.shape[:-1], -1, 4), I32)
 
 
 def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) -> dict:
-    """Block sizes for a call with ``rows = B*S`` query rows (measured on the H200, device
-    times, docs/benchmarks.md): all heads of a query in one program (the block is
-    dequantised once); when that gives fewer than 128 programs (one per SM), split the list
-    (flash-decoding) into up to one block per split, balanced (the fewest splits with the same
-    blocks per split), then halve the head block (down to 32) while the programs still fit
-    in one wave of 132 SMs. Decode B=1: 32 heads x 10 splits (9.9 us of kernel, 16.3 with
-    the old 32 x 8); B=8: 64 heads x 10 splits (16.1 us, 18.9); B=64: 64 heads x 2 splits;
-    B>=128 and prefill: one program per query. The PTX decode everywhere (session 8: with the
-    split rows too, 2.6-5.6% faster at B=1-64 than the jnp decode). 8 channel chunks (64
-    channels each at the release's K = 512; chunks of 64 for smaller K: 1, 2 and 4 chunks
-    measured 15-75% slower in session 8), no row prefetch, 8 warps, no software pipelining;
-    the softmax's exponentials as ``exp2(x log2 e)`` and the splits merged by
-    :func:`merge_splits` (session 7, together: 6% faster at B=256 and prefill, 0.5-4 us
-    faster at B=1-64). ``kernel``: ``"mosaic_gpu"`` (the warp-specialised kernel with the
-    decoding producer, :func:`.mosaic_gpu_rows.sparse_attention_packed`, with the same list
-    splits below 128 query rows: session 13, H200, B=8 14.3 against 17.3 us, B=64 33.6
-    against 51.9, B=256 84.3 against 157.6) for 64 heads x 512 and at least
-    :data:`MGPU_MIN_ROWS` query rows, lists of at most ``MAX_LIST`` entries, on Hopper (or
-    without a GPU); ``"triton"`` otherwise."""
-    from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
+    """Tuning of the packed Triton kernel for a call with ``rows = B*S`` query rows, ``heads``
+    heads, ``n_blocks`` 64-entry list blocks and ``head_dim``: all heads of a query in one
+    program (the block is dequantised once); when that gives fewer than 128 programs (one per
+    SM), the list split (flash-decoding, :func:`.common.list_splits`), then the head block
+    halved (down to 32) while the programs still fit in one wave of 132 SMs. The PTX decode,
+    8 channel chunks (64 channels each at K = 512, fewer for smaller K), no row prefetch,
+    8 warps, one pipeline stage, the ``exp2`` softmax and the Triton merge of the splits."""
     block_h = min(heads, 64)
     programs = rows * (heads // block_h)
     n_splits = list_splits(programs, n_blocks)
-    mgpu = ((heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED)
-            and programs >= MGPU_MIN_ROWS and n_blocks * SOFTMAX_BLOCK <= mr.MAX_LIST
-            and mr.on_hopper_or_unknown())
-    if programs < 128:   # (Triton's head blocks; the Mosaic GPU kernel takes all 64 heads)
+    if programs < 128:
         while (block_h > 32 and heads % (block_h // 2) == 0
                and 2 * programs * n_splits <= 132):
             block_h //= 2
             programs *= 2
     return {"block_h": block_h, "n_splits": n_splits, "num_warps": 8, "num_stages": 1,
             "n_chunks": max(1, min(8, head_dim // 64)), "dequant": "asm", "prefetch": "none",
-            "softmax": "exp2", "merge": "triton", "kernel": "mosaic_gpu" if mgpu else "triton"}
+            "softmax": "exp2", "merge": "triton"}
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_h", "n_splits",
                                              "num_warps", "num_stages", "n_chunks", "dequant",
-                                             "prefetch", "softmax", "merge", "kv", "kernel"))
+                                             "prefetch", "softmax", "merge"))
 def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale, *,
                      interpret: bool = False, block_h: int | None = None,
                      n_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, n_chunks: int | None = None,
                      dequant: str | None = None, prefetch: str | None = None,
-                     softmax: str | None = None, merge: str | None = None,
-                     kv: str | None = None, kernel: str | None = None):
-    """Triton implementation of :func:`pallas_kernels.sparse_attention.sparse_attention`.
+                     softmax: str | None = None, merge: str | None = None):
+    """The packed Triton kernel: :func:`pallas_kernels.sparse_attention.sparse_attention`'s
+    arguments and results (o bf16 [B,S,H,K], lse fp32 [B,S,H]), every listed row decoded in
+    registers.
 
-    Same arguments and results (o bf16 [B,S,H,K], lse fp32 [B,S,H]). Tuning (unset values
-    come from :func:`default_tuning`): ``block_h`` heads per program (a power of two dividing
-    H, >= 16 on a GPU), ``n_splits`` list splits (1 = the reference block order), Triton
-    ``num_warps`` / ``num_stages``, ``n_chunks`` contiguous channel chunks (a power of two with
-    K / n_chunks >= 32, one FP8 scale block; >= 16 with ``kv="dense"``), ``dequant``
-    (``"jnp"``, or the PTX decode ``"asm"``: GPU only; interpret mode always decodes with jnp,
-    since PTX cannot run on CPU), ``prefetch`` (one of :data:`PREFETCH`, see the module
-    docstring), ``softmax`` (one of :data:`SOFTMAX`: the exponential, :func:`exp_of`),
-    ``merge`` (one of :data:`MERGE`: the splits' merge in XLA or in :func:`merge_splits`),
-    ``kv`` (one of :data:`KV`): ``"packed"``,
-    this kernel, which decodes every listed row in registers, or ``"dense"``, every window
-    row and main-KV entry decoded once to bf16 and the listed rows gathered by
-    :func:`.triton_dense.sparse_attention_rows` (its own defaults,
-    :func:`.triton_dense.default_tuning`; ``dequant`` / ``prefetch`` do not apply). Unset,
-    ``"dense"`` where the rows are listed at least :data:`.triton_dense.MIN_REUSE` times on
-    average (:func:`.triton_dense.worth_it`: prefill chunks; on the H200 the prefill row of
-    4096 queries takes 1.43 instead of 2.23 ms), ``"packed"`` otherwise (decode). ``kernel``
-    (``kv="dense"`` only): the rows' kernel, ``"triton"`` or ``"mosaic_gpu"`` (the
-    warp-specialised :mod:`.mosaic_gpu_rows`; its own rule in
-    :func:`.triton_dense.default_tuning`: prefill at the release's 64 heads x 512); with
-    ``kv="packed"``, ``kernel="mosaic_gpu"`` runs that kernel with a producer that decodes the
-    packed rows (:func:`.mosaic_gpu_rows.sparse_attention_packed`; GPU only, ``softmax`` and
-    ``n_splits`` its only tunings; unset, the default for 64 heads x 512 from
-    :data:`MGPU_MIN_ROWS` query rows on, with :func:`default_tuning`'s list splits).
+    Tuning (unset values come from :func:`default_tuning`): ``block_h`` heads per program (a
+    power of two dividing H, >= 16 on a GPU; unset with fewer than 16 heads on a GPU, the heads
+    are padded to 16), ``n_splits`` list splits (1 = the reference block order), Triton
+    ``num_warps`` / ``num_stages``, ``n_chunks`` contiguous channel chunks (a power of two
+    with K / n_chunks >= 32, one FP8 scale block), ``dequant`` (``"jnp"``, or the PTX decode
+    ``"asm"``: GPU only; interpret mode always decodes with jnp), ``prefetch`` (one of
+    :data:`PREFETCH`, see the module docstring), ``softmax`` (one of :data:`.common.SOFTMAX`,
+    :func:`.common.exp_of`), ``merge`` (one of :data:`.common.MERGE`: the splits' merge in
+    XLA or in :func:`.common.merge_splits`).
 
-    Raises ``ValueError`` for a tuning outside those limits (``dequant`` / ``prefetch`` with
-    ``kv="dense"``, and Triton tunings other than ``n_splits``, ``n_splits < 1`` or interpret
-    mode with ``kv="packed", kernel="mosaic_gpu"`` included) or, for the packed kernel, a head
-    dim that is not a power of two >= 64.
+    Raises ``ValueError`` for a tuning outside those limits or a head dim that is not a power
+    of two >= 64.
     """
     B, S, H, K = q.shape
     tuning = dict(num_warps=num_warps, num_stages=num_stages, n_chunks=n_chunks,
                   dequant=dequant, prefetch=prefetch, softmax=softmax, merge=merge)
     for key, allowed, value in (("dequant", DEQUANT, dequant), ("prefetch", PREFETCH, prefetch),
-                                ("softmax", SOFTMAX, softmax), ("merge", MERGE, merge),
-                                ("kv", KV, kv)):   # checked first: also when nothing is listed
-        if value is not None and value not in allowed:
+                                ("softmax", SOFTMAX, softmax), ("merge", MERGE, merge)):
+        if value is not None and value not in allowed:   # checked first: also with no list
             raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
-    from pallas_kernels.sparse_attention import triton_dense   # it imports this module
-
-    n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
-    n_kv_rows = win_kv.shape[1] + (0 if topk is None else main.shape[1])
-    if kv is None:
-        kv = "dense" if triton_dense.worth_it(B * S, n_list, B * n_kv_rows) else "packed"
-    defaults = default_tuning(B * S, H, max(1, -(-n_list // SOFTMAX_BLOCK)), K)
-    if kv == "packed" and kernel not in (None, "triton"):
-        if kernel != "mosaic_gpu":
-            raise ValueError(f"kernel must be 'triton' or 'mosaic_gpu', got {kernel!r}")
-        given = [k for k, v in dict(tuning, block_h=block_h).items()
-                 if v is not None and k != "softmax"]
-        if interpret:
-            raise ValueError("kv='packed', kernel='mosaic_gpu' (the warp-specialised kernel "
-                             "decoding in its producer: PTX) runs on the GPU only, not in "
-                             "interpret mode")
-        if given:
-            raise ValueError(f"kv='packed', kernel='mosaic_gpu' takes softmax and n_splits "
-                             f"only, got {sorted(given)}")
-        from pallas_kernels.sparse_attention import mosaic_gpu_rows
-        return mosaic_gpu_rows.sparse_attention_packed(
-            q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
-            softmax=softmax or "exp2",
-            n_splits=defaults["n_splits"] if n_splits is None else n_splits)
-    triton_tuned = any(v is not None for v in (block_h, n_splits, num_warps, num_stages,
-                                               n_chunks, dequant, prefetch, merge))
-    if kv == "packed" and kernel is None and not interpret and not triton_tuned and (
-            defaults["kernel"] == "mosaic_gpu"):
-        from pallas_kernels.sparse_attention import mosaic_gpu_rows
-        return mosaic_gpu_rows.sparse_attention_packed(
-            q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
-            softmax=softmax or "exp2", n_splits=defaults["n_splits"])
-    if kv == "dense":
-        if dequant is not None or prefetch is not None:
-            raise ValueError("dequant / prefetch tune the packed rows' decode: not with "
-                             "kv='dense'")
-        given = dict(tuning, block_h=block_h, n_splits=n_splits, kernel=kernel)
-        return triton_dense.sparse_attention(
-            q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale,
-            interpret=interpret, **{k: v for k, v in given.items() if v is not None})
     if H < 16 and not interpret and block_h is None:
         # fewer heads than the tensor-core tile (the test configs): zero heads pad the tile
         return pad_heads(q, sink, lambda q16, sink16: sparse_attention(
             q16, win_kv, win_scale, win_idx, main, main_scale, topk, sink16, scale,
-            block_h=16, n_splits=n_splits, kv="packed", **tuning))
+            block_h=16, n_splits=n_splits, **tuning))
     n_win = win_idx.shape[-1]
     if topk is None:  # SWA-only layer: a dummy main KV that the kernel never reads
         main = jnp.zeros((B, 1, K // 2), jnp.uint8)
@@ -726,9 +467,8 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
         raise ValueError(f"n_chunks={n_chunks} must be a power of two with K/n_chunks >= 32 "
                          f"(K={K})")
     R = B * S
-    u8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
-    args = (q.reshape(R, H, K), lst.reshape(R, -1), top.reshape(R, -1), _words(win_kv),
-            win_scale, _words(main), u8(main_scale), sink.astype(F32))
+    args = (q.reshape(R, H, K), lst.reshape(R, -1), top.reshape(R, -1), *row_operands(
+        win_kv, win_scale, main, main_scale), sink.astype(F32))
     in_specs = [
         pl.BlockSpec((None, block_h, K), lambda r, h, s: (r, h, 0)),
         pl.BlockSpec((None, lst.shape[-1]), lambda r, h, s: (r, 0)),
@@ -751,3 +491,16 @@ def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink
     )(*args)
     return finish(outs, sink, n_splits=n_splits, merge=tune["merge"], softmax=tune["softmax"],
                   block_h=block_h, interpret=interpret, shape=(B, S, H, K))
+
+
+def row_operands(win_kv, win_scale, main, main_scale):
+    """The four whole-array operands the kernel gathers rows from, all int32 words (4 bytes
+    each, little-endian): window codes [B, Nw, K/4], window E8M0 scales [B, Nw, ceil(K/128)],
+    main-KV codes [B, T, K/8], main-KV E4M3 scales [B, T, ceil(K/64)] (rows padded with zero
+    bytes to whole words).
+
+    Words, not bytes: Pallas Triton addresses a whole-array operand with 32-bit element
+    offsets unless the array is over 2**32 bytes, so a byte array between 2**31 and 2**32
+    bytes would wrap (main-KV scales from B x T = 2**26 + 64 entries on); as words every
+    operand up to 2**32 bytes has fewer than 2**31 elements."""
+    return _words(win_kv), _words(win_scale), _words(main), _words(main_scale)

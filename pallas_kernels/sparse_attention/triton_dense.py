@@ -15,10 +15,8 @@ online softmax sees the same blocks as :func:`.reference.sparse_attention_xla`.
 
 Use it where the rows are listed many times (``rows x list entries`` well above the row count:
 prefill chunks); in decode each row is listed about once and decoding all of them would cost
-more than the attention. :func:`worth_it` is the rule ``sparse_attention(impl="triton")`` uses.
+more than the attention. :func:`worth_it` is the rule of :func:`.gpu.sparse_attention`.
 
-On the H200 (docs/benchmarks.md, session 11): 1.43 ms for 4096 queries x 640 entries
-(241 TFLOP/s; the packed kernel 2.23 ms, XLA 9.08 ms), of which 18 us decode the rows.
 Memory: the row array is ``B x (Nw + T) x K x 2`` bytes next to the packed state (at most
 ``2 K / MIN_REUSE`` bytes per listed entry where the rule picks it).
 """
@@ -34,14 +32,12 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels.sparse_attention import triton as tk
-from pallas_kernels.sparse_attention.reference import (SOFTMAX_BLOCK, dequant_main,
-                                                       dequant_window, pad_list)
+from pallas_kernels.sparse_attention.common import (F32, I32, MERGE, SOFTMAX, SOFTMAX_BLOCK,
+                                                    empty_result, exp_of, list_splits)
+from pallas_kernels.sparse_attention.reference import dequant_main, dequant_window
 
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-I32 = jnp.int32
-# listed entries per row from which the rule decodes the rows once: the H200 break-even is
-# about 7 (decoding a row costs ~2.2 ns, the kernel saves ~0.31 ns per listed entry)
+# listed entries per row (on average) from which the rule decodes the rows once (the break-even
+# of decoding a row once against decoding it per listed entry: docs/benchmarks.md)
 MIN_REUSE = 8
 
 
@@ -53,24 +49,14 @@ def worth_it(rows: int, list_len: int, n_rows: int) -> bool:
 
 
 def default_tuning(rows: int, heads: int, n_blocks: int, head_dim: int = 512) -> dict:
-    """Block sizes for ``rows = B*S`` query rows: all (up to 64) heads of a query per program,
-    the list split (as :func:`.triton.default_tuning`) only when there are fewer than 128
-    programs, 8 warps, one 512-channel tile per block, the rows staged one block ahead
-    (``num_stages = 2``: 197 KB of shared memory, no spills in the sm_90a build).
-
-    ``kernel``: ``"mosaic_gpu"`` (:mod:`.mosaic_gpu_rows`, the warp-specialised kernel: 1.01
-    against 1.43 ms for the H200's prefill row, session 12) where it applies: 64 heads x 512,
-    at most ``MAX_LIST`` entries, 128 programs or more (one per query fills the GPU: no list
-    splits) and a Hopper GPU (or no GPU: CPU lowering, tests); ``"triton"`` otherwise."""
-    from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
+    """Tuning of the Triton rows' kernel for ``rows = B*S`` query rows: all (up to 64) heads
+    of a query per program, the list split (:func:`.common.list_splits`) only when there are
+    fewer than 128 programs, 8 warps, one tile of all channels per block, the rows staged one
+    block ahead (``num_stages = 2``), the ``exp2`` softmax and the Triton merge."""
     block_h = min(heads, 64)
-    n_splits = tk.list_splits(rows * (heads // block_h), n_blocks)
-    mgpu = (heads, head_dim) == (mr.H_SUPPORTED, mr.K_SUPPORTED) and (
-        rows * (heads // block_h) >= 128) and (
-        n_blocks * SOFTMAX_BLOCK <= mr.MAX_LIST) and mr.on_hopper_or_unknown()
+    n_splits = list_splits(rows * (heads // block_h), n_blocks)
     return {"block_h": block_h, "n_splits": n_splits, "num_warps": 8, "num_stages": 2,
-            "n_chunks": 1, "softmax": "exp2", "merge": "triton",
-            "kernel": "mosaic_gpu" if mgpu else "triton"}
+            "n_chunks": 1, "softmax": "exp2", "merge": "triton"}
 
 
 def dense_rows(win_kv: Float[Array, "B Nw K"], win_scale: UInt8[Array, "B Nw G"],
@@ -87,24 +73,11 @@ def dense_rows(win_kv: Float[Array, "B Nw K"], win_scale: UInt8[Array, "B Nw G"]
     return jnp.concatenate(rows, axis=1)
 
 
-def joint_list(win_idx: Int[Array, "B S Ww"], topk: Int[Array, "B S k"] | None,
-               n_win_rows: int, n_main_rows: int = 0) -> Int[Array, "B S N"]:
-    """Rows of :func:`dense_rows` per query: the window list, then the top-k list offset by
-    ``n_win_rows`` (-1 = no entry stays -1), padded with -1 to whole 64-entry blocks. Entries
-    past the end of their rows read the last one, as the XLA path's gathers (and the packed
-    kernel) clamp them."""
-    win = jnp.where(win_idx >= 0, jnp.minimum(win_idx, max(n_win_rows - 1, 0)), -1)
-    if topk is None:
-        return pad_list(win)
-    top = jnp.where(topk >= 0, jnp.minimum(topk, max(n_main_rows - 1, 0)) + n_win_rows, -1)
-    return pad_list(jnp.concatenate([win, top], axis=-1))
-
-
 def _kernel(q_ref, lst_ref, kv_ref, sink_ref, *out_refs, S, K, n_chunks, block_h, n_blocks,
             n_splits, scale, interpret, softmax):
     """Program (row r = b*S + s, head block, split) over its blocks of the joint list."""
     r, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    exp = tk.exp_of(softmax)
+    exp = exp_of(softmax)
     b = r // S
     BN = SOFTMAX_BLOCK
     KC = K // n_chunks
@@ -149,11 +122,11 @@ def sparse_attention_rows(q: Float[Array, "B S H K"], kv: Float[Array, "B N K"],
     [B, S, L] rows per query, -1 = no entry, L a multiple of 64 (:func:`joint_list`); ``sink``
     fp32 [H]. Returns ``(o bf16 [B, S, H, K], lse fp32 [B, S, H])``, as
     :func:`pallas_kernels.sparse_attention.sparse_attention`. Tuning: ``block_h`` heads per
-    program, ``n_splits`` list splits (merged by :func:`.triton.merge_splits`), Triton
+    program, ``n_splits`` list splits (merged by :func:`.common.merge_splits`), Triton
     ``num_warps`` / ``num_stages`` (the default 2 stages the row gathers in shared memory a
     block ahead; 1 loads them at their block), ``n_chunks`` channel chunks per row tile (a
     power of two, K / n_chunks >= 16), ``softmax`` (``"exp2"`` or ``"exp"``, as
-    :func:`.triton.exp_of`), ``merge`` (``"triton"`` or ``"xla"``).
+    :func:`.common.exp_of`), ``merge`` (``"triton"`` or ``"xla"``).
 
     Raises ``ValueError`` for a list that is not whole 64-entry blocks, a head dim that is not
     a power of two >= 64 (the Triton tiles), or a tuning outside those limits.
@@ -165,8 +138,8 @@ def sparse_attention_rows(q: Float[Array, "B S H K"], kv: Float[Array, "B N K"],
                          f"blocks (pad with -1: joint_list)")
     if K < 64 or K & (K - 1):
         raise ValueError(f"the Triton kernel needs a power-of-two head dim >= 64, got {K}")
-    if softmax not in tk.SOFTMAX or merge not in tk.MERGE:
-        raise ValueError(f"softmax / merge must be in {tk.SOFTMAX} / {tk.MERGE}, "
+    if softmax not in SOFTMAX or merge not in MERGE:
+        raise ValueError(f"softmax / merge must be in {SOFTMAX} / {MERGE}, "
                          f"got {softmax!r} / {merge!r}")
     if H % block_h or block_h & (block_h - 1) or (block_h < 16 and not interpret):
         raise ValueError(f"block_h={block_h} must be a power of two dividing the {H} heads "
@@ -175,7 +148,7 @@ def sparse_attention_rows(q: Float[Array, "B S H K"], kv: Float[Array, "B N K"],
         raise ValueError(f"n_chunks={n_chunks} must be a power of two with K/n_chunks >= 16")
     n_blocks = L // SOFTMAX_BLOCK
     if n_blocks == 0:
-        return tk.empty_result(q, sink)
+        return empty_result(q, sink)
     n_splits = max(1, min(n_splits, n_blocks))
     R = B * S
     args = (q.reshape(R, H, K), lst.reshape(R, L), kv, sink.astype(F32))
@@ -195,54 +168,3 @@ def sparse_attention_rows(q: Float[Array, "B S H K"], kv: Float[Array, "B N K"],
     )(*args)
     return tk.finish(outs, sink, n_splits=n_splits, merge=merge, softmax=softmax,
                      block_h=block_h, interpret=interpret, shape=(B, S, H, K))
-
-
-KERNELS = ("triton", "mosaic_gpu")
-TRITON_ONLY = ("block_h", "n_splits", "num_warps", "num_stages", "n_chunks", "merge")
-
-
-def sparse_attention(q, win_kv, win_scale, win_idx, main, main_scale, topk, sink, scale, *,
-                     interpret: bool = False, **tuning):
-    """:func:`pallas_kernels.sparse_attention.sparse_attention`'s arguments and results, by
-    :func:`dense_rows` + :func:`joint_list` + the rows' kernel ``tuning["kernel"]``:
-    ``"triton"`` (:func:`sparse_attention_rows`, which takes the other tuning keywords) or
-    ``"mosaic_gpu"`` (:func:`.mosaic_gpu_rows.sparse_attention_rows`: ``softmax`` and
-    ``n_splits`` only). Unset,
-    :func:`default_tuning` decides (``"triton"`` in interpret mode or when Triton tuning
-    keywords are given).
-
-    Raises ``ValueError`` for an unknown kernel, Triton tuning keywords other than
-    ``n_splits`` with ``kernel="mosaic_gpu"``, or what the chosen kernel rejects."""
-    B, S, H, K = q.shape
-    n_list = win_idx.shape[-1] + (0 if topk is None else topk.shape[-1])
-    kernel = tuning.pop("kernel", None)
-    if kernel is not None and kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    triton_only = set(tuning) & set(TRITON_ONLY) - {"n_splits"}
-    if kernel == "mosaic_gpu" and triton_only:
-        raise ValueError(f"{sorted(triton_only)} tune the Triton rows' kernel: not with "
-                         f"kernel='mosaic_gpu'")
-    if n_list == 0:   # nothing listed at all
-        return tk.empty_result(q, sink)
-    if H < 16 and not interpret:    # fewer heads than the tensor-core tile: zero heads pad it
-        return tk.pad_heads(q, sink, lambda q16, sink16: sparse_attention(
-            q16, win_kv, win_scale, win_idx, main, main_scale, topk, sink16, scale,
-            **tuning, **({} if kernel is None else {"kernel": kernel})))
-    defaults = default_tuning(B * S, H, -(-n_list // SOFTMAX_BLOCK), K)
-    if kernel is None:   # Triton tuning keywords given: the Triton kernel they tune
-        kernel = ("triton" if interpret or set(tuning) & set(TRITON_ONLY)
-                  else defaults["kernel"])
-    del defaults["kernel"]
-    if topk is None:
-        main = main_scale = None
-    # an empty part gets one zero row (its listed entries read zeros, never the other part's)
-    win_kv, win_scale, main, main_scale = tk.nonempty_rows(win_kv, win_scale, main, main_scale)
-    kv = dense_rows(win_kv, win_scale, main, main_scale)
-    lst = joint_list(win_idx, topk, win_kv.shape[1], 0 if topk is None else main.shape[1])
-    if kernel == "mosaic_gpu":
-        from pallas_kernels.sparse_attention import mosaic_gpu_rows as mr
-        return mr.sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret,
-                                        softmax=tuning.get("softmax", defaults["softmax"]),
-                                        n_splits=tuning.get("n_splits", 1))
-    return sparse_attention_rows(q, kv, lst, sink, scale, interpret=interpret,
-                                 **dict(defaults, **tuning))

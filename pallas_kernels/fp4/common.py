@@ -26,7 +26,7 @@ I32 = jnp.int32
 F32 = jnp.float32
 
 FMTS = ("main", "index")
-# fmt -> (values per scale block, scale format of dsv41_jax.quant.fp4_quantize)
+# fmt -> (values per scale block, scale format of reference.fp4_quantize)
 FMT_BLOCK = {"main": (16, "e4m3"), "index": (32, "e8m0")}
 
 _ABS_MASK = 0x7FFFFFFF
@@ -125,15 +125,16 @@ def e8m0_scale(amax_bits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``2^ceil(log2(max(amax, 6*2^-126) * fp32(1/6)))`` from the int32 bits of ``amax >= 0``.
 
     Returns ``(E8M0 byte int32 0..255, value fp32)``. The ceil-log2 reads the exponent bits and
-    adds one if any mantissa bit is set (spec 2.6), like ``quant._pow2_ceil_exponent``; the
-    byte wraps like the reference's ``astype(uint8)`` and the value saturates at +inf like
-    ``jnp.ldexp`` (only a NaN or infinite amax gets there).
+    adds one if any mantissa bit is set, like :func:`.reference._pow2_ceil_exponent`; an
+    infinite amax gives byte 255 and the value +inf (as ``jnp.ldexp``), a NaN amax (a NaN in
+    the block) byte 255 (E8M0's NaN) and the value NaN, as :func:`.reference.fp4_quantize`.
     """
+    nan = amax_bits > _INF_BITS
     tb = jnp.maximum(amax_bits, _E8M0_FLOOR_BITS)
     p = _bits(_f32(tb) * _SIXTH)
     e = (_srl(p, 23) & 0xFF) - 127 + ((p & 0x7FFFFF) != 0).astype(I32)
-    byte = (e + 127) & 0xFF
-    s = _f32(jnp.minimum(e + 127, 255) << 23)
+    byte = jnp.where(nan, 255, jnp.minimum(e + 127, 255))
+    s = jnp.where(nan, np.float32(np.nan), _f32(byte << 23))
     return byte, s
 
 
