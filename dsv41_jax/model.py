@@ -139,7 +139,7 @@ def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
         return extras, state
     cids = params["engram_token_map"][tokens]
     if token_mask is not None:
-        cids = jnp.where(token_mask, cids, -1)
+        cids = jnp.where(token_mask, cids, engram_layer.DEAD)
     consts = params["engram_consts"]
     ids = engram_layer.engram_hash_ids(cids, state["engram_history"], positions, consts)
     for k, layer in enumerate(cfg.engram_layer_ids):
