@@ -140,7 +140,7 @@ def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
         return extras, state
     cids = params["engram_token_map"][tokens]
     if token_mask is not None:
-        cids = jnp.where(token_mask, cids, -1)
+        cids = jnp.where(token_mask, cids, engram_layer.DEAD)
     consts = params["engram_consts"]
     ids = engram_layer.engram_hash_ids(cids, state["engram_history"], positions, consts)
     for k, layer in enumerate(cfg.engram_layer_ids):
@@ -272,6 +272,38 @@ def _check_tokens(cfg: ModelConfig, tokens: np.ndarray, name: str = "tokens"):
                          f"{cfg.vocab_size})")
 
 
+def _check_image_inputs(cfg: ModelConfig, shape: tuple[int, int], embeds_override, image_mask):
+    """Host-side checks of the image-span inputs before anything is traced: ``image_mask`` a
+    bool [B, S] array and ``embeds_override`` a bf16 [B, S, dim] array (``shape`` = (B, S) of
+    the tokens), given together or not at all. Raises ``ValueError`` naming the argument."""
+    if (embeds_override is None) != (image_mask is None):
+        given, missing = (("embeds_override", "image_mask") if image_mask is None
+                          else ("image_mask", "embeds_override"))
+        raise ValueError(f"{given} was given without {missing}: image spans need both (the "
+                         f"mask selects the positions whose embeddings are replaced)")
+    if image_mask is None:
+        return
+    B, S = shape
+    def dtype(x):
+        return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+    m_shape, m_dtype = tuple(np.shape(image_mask)), dtype(image_mask)
+    if m_dtype != np.bool_:
+        raise ValueError(f"image_mask must be a bool array [B, S] (True on image-span "
+                         f"positions), got dtype {m_dtype}; convert a 0/1 mask with mask != 0")
+    if m_shape != (B, S):
+        raise ValueError(f"image_mask must have shape [B, S] = {[B, S]} like tokens, got "
+                         f"{list(m_shape)}")
+    e_shape = tuple(np.shape(embeds_override))
+    e_dtype = dtype(embeds_override)
+    if e_shape != (B, S, cfg.dim):
+        raise ValueError(f"embeds_override must have shape [B, S, dim] = {[B, S, cfg.dim]}, got "
+                         f"{list(e_shape)}")
+    if e_dtype != jnp.bfloat16:
+        raise ValueError(f"embeds_override must be bfloat16 (the embedding dtype), got "
+                         f"{e_dtype}; cast it with .astype(jnp.bfloat16)")
+
+
 def _check_capacity(cfg, state, new: np.ndarray):
     pos = np.asarray(state["pos"])
     cap = st.capacity_of(state, cfg)
@@ -296,8 +328,8 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
       state: from :func:`dsv41_jax.state.init_state` or a previous call (it is donated).
       mode: ``"ced"`` (bounded replay of the decoder) or ``"exact"`` (all layers, all positions).
       compat_stale_index_k: reproduce the reference's decode ``index_k`` quirk (spec 3.12).
-      embeds_override, image_mask: bf16 [B, S, D] rows replacing the token embeddings where the
-        bool [B, S] ``image_mask`` is set (image spans, spec 8.4).
+      embeds_override, image_mask: bf16 [B, S, dim] rows replacing the token embeddings where
+        the bool [B, S] ``image_mask`` is set (image spans, spec 8.4); both or neither.
       batch_invariant: run the rows one at a time (``lax.map``) so each row's result is
         bitwise that of a batch of one (slower for large batches).
       attn_impl: kernel family (:data:`pallas_kernels.impls.FAMILIES`) for the sparse
@@ -311,8 +343,9 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
 
     Raises:
       ValueError: empty prompt, token id outside [0, vocab), lengths not matching the batch or
-        outside [1, S], state capacity exceeded, unknown mode or attn_impl. The state is then
-        untouched.
+        outside [1, S], state capacity exceeded, unknown mode or attn_impl, ``image_mask`` not
+        bool [B, S], ``embeds_override`` not bf16 [B, S, dim], or only one of the two given.
+        The state is then untouched.
     """
     if mode not in ("ced", "exact"):
         raise ValueError(f"mode must be 'ced' or 'exact', got {mode!r}")
@@ -329,6 +362,7 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         raise ValueError(f"lengths must be in [1, {S}] (an empty prompt is not allowed), got "
                          f"{lengths.tolist()}")
     _check_tokens(cfg, np.where(np.arange(S)[None] < lengths[:, None], tokens, 0))
+    _check_image_inputs(cfg, (B, S), embeds_override, image_mask)
     _check_capacity(cfg, state, lengths)
     fresh = not np.asarray(state["pos"]).any()
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
@@ -375,6 +409,7 @@ def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, S], got shape {tokens.shape}")
+    _check_image_inputs(cfg, tokens.shape, embeds_override, image_mask)
     state = st.init_state(cfg, tokens.shape[0], max(tokens.shape[1], 2))
     out, state = prefill(params, cfg, tokens, state, mode="exact", collect=collect,
                          compat_stale_index_k=compat_stale_index_k,

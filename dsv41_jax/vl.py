@@ -25,11 +25,28 @@ def prepare_vl_inputs(params: dict, cfg: ModelConfig, rows: list[list[int]],
       images: per row, the PIL images (or :func:`preprocess_image` dicts) in placeholder order.
 
     Returns ``{"tokens" int32 [B, S], "lengths" int32 [B], "embeds_override" bf16 [B, S, D],
-    "image_mask" bool [B, S], "token_types" int32 [B, S]}`` (right-padded). Raises
-    ``ValueError`` when placeholders and images disagree or vision is off in the config.
+    "image_mask" bool [B, S], "token_types" int32 [B, S]}`` (right-padded), the inputs
+    :func:`dsv41_jax.model.prefill` takes (``embeds_override`` and ``image_mask`` together).
+    Raises ``ValueError`` when there is no row, a row is empty, ``rows`` and ``images`` have
+    different lengths, a row's placeholders and images disagree, a token id is outside
+    [0, vocab_size) or vision is off in the config.
     """
+    if not rows:
+        raise ValueError("rows: at least one prompt row is needed")
+    if len(images) != len(rows):
+        raise ValueError(f"images: one list of images per row is needed ({len(rows)} rows), "
+                         f"got {len(images)} lists")
     if cfg.vision_n_layers <= 0 and any(images):
         raise ValueError("images given but the config has vision_n_layers = 0")
+    for b, ids in enumerate(rows):
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not ids.size:
+            raise ValueError(f"rows[{b}]: a non-empty list of token ids is needed, got shape "
+                             f"{list(ids.shape)}")
+        bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+        if bad.size:
+            raise ValueError(f"rows[{b}]: token id {int(bad[0])} is outside [0, vocab_size="
+                             f"{cfg.vocab_size})")
     exp = []
     for ids, imgs in zip(rows, images, strict=True):
         pre = [im if isinstance(im, dict) else preprocess_image(im, cfg) for im in imgs]

@@ -20,13 +20,13 @@ def fixture_dir(name: str) -> str:
 @pytest.fixture(scope="session")
 def tiny_a():
     """(cfg, params, manifest) of the tiny-a fixture (fp8 weights, fp4 experts)."""
-    from dsv41_jax import parity
+    from dsv41_jax.testing import parity
     return parity.load_fixture_dir(fixture_dir("tiny-a"))
 
 
 @pytest.fixture(scope="session")
 def tiny_a_bf16():
-    from dsv41_jax import parity
+    from dsv41_jax.testing import parity
     return parity.load_fixture_dir(fixture_dir("tiny-a-bf16"))
 
 

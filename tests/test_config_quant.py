@@ -448,13 +448,10 @@ def test_fp4_qdq_matches_numpy_spec(block, fmt):
             .astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="known: XLA:CPU's YNNPACK fusion drops the inner bf16 "
-                   "rounding under jit; the flag that fixes it moves the compat-switch parity "
-                   "heuristic below its threshold (see dsv41_jax/__init__.py)")
 def test_jit_keeps_the_spec_bf16_roundings():
-    """The indexer's ``bf16(sum_h f32(bf16(relu(dot) * w_h)))`` (spec 3.6) jitted on CPU
-    equals its eager value. Strict xfail: it fails today (41% of these outputs differ), and
-    XPASS will flag the day the deviation is gone."""
+    """The indexer's ``bf16(sum_h f32(bf16(relu(dot) * w_h)))`` jitted on CPU equals its eager
+    value bit for bit (XLA:CPU's YNNPACK fusions, off through the package's XLA flags, drop the
+    inner rounding: 41% of these outputs differ with them)."""
     def f(a, b):
         prod = (jnp.maximum(a, 0) * b).astype(jnp.bfloat16).astype(jnp.float32)
         return jnp.sum(prod, axis=1).astype(jnp.bfloat16)

@@ -162,18 +162,6 @@ def engram_hash_constants(consts: dict) -> dict:
 # ----------------------------------------------------------------------------- hashing
 
 
-def engram_compressed_ids(token_map: Int[Array, "V"], input_ids: Int[Array, "B S"],
-                          token_mask: Bool[Array, "B S"] | None = None) -> Int[Array, "B S"]:
-    """Compressed ids of ``input_ids`` (int32), ``DEAD = -1`` where ``token_mask`` is false.
-
-    Spec 6.4 step 1 (image-span tokens are DEAD).
-    """
-    c = jnp.asarray(token_map, jnp.int32)[input_ids]
-    if token_mask is not None:
-        c = jnp.where(token_mask, c, DEAD)
-    return c
-
-
 def _mul_limbs(tok: jax.Array, m_limbs: jax.Array) -> jax.Array:
     """``tok * m`` as 8 little-endian 8-bit limbs (uint32), mod 2**64.
 

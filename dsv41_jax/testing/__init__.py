@@ -1,0 +1,1 @@
+"""Test and parity support: comparisons against the reference fixtures (not used by the model)."""
