@@ -1,20 +1,25 @@
-"""Shared test fixtures: the golden reference fixtures and loaded parameters, built once."""
+"""Shared test fixtures: the reference fixtures and loaded parameters, built once.
 
-import os
+Every function of ``dsv41_jax`` and ``pallas_kernels`` is checked against its jaxtyping
+annotations (shapes and dtypes, beartype) during the tests: the import hook is installed here,
+before anything imports the two packages.
+"""
 
-import dsv41_jax  # noqa: F401  (sets the XLA numerics flag before JAX starts)
-import pytest
+import sys
 
-FIXTURES = os.environ.get(
-    "DSV41_FIXTURES",
-    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "reference"))
+from jaxtyping import install_import_hook
 
+if "dsv41_jax" in sys.modules or "pallas_kernels" in sys.modules:
+    raise RuntimeError("dsv41_jax / pallas_kernels were imported before tests/conftest.py: "
+                       "their jaxtyping annotations would go unchecked")
+# is_pep484_tower: an int is accepted where a float is annotated (PEP 484's numeric tower)
+install_import_hook(["dsv41_jax", "pallas_kernels"],
+                    "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
 
-def fixture_dir(name: str) -> str:
-    path = os.path.join(FIXTURES, name)
-    if not os.path.isdir(path):
-        pytest.fail(f"fixture directory {path} is missing (set DSV41_FIXTURES)")
-    return path
+import dsv41_jax  # noqa: E402,F401  (sets the XLA numerics flag before JAX starts)
+import pytest  # noqa: E402
+
+from dsv41_jax.testing.fixtures import fixture_dir  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -22,10 +22,10 @@ import pytest
 
 import cases_util as cu
 import dsv41_jax as dsv
-from conftest import fixture_dir
 from dsv41_jax import quant, state as st
 from dsv41_jax.checkpoint import read_checkpoint
 from dsv41_jax.config import LayerPlan
+from dsv41_jax.testing.fixtures import fixture_dir
 from dsv41_jax.layers import attention as attn_mod
 from dsv41_jax.layers import compressor, indexer, mhc, moe as moe_mod
 from dsv41_jax.layers.linear import linear, rms_norm

@@ -20,13 +20,16 @@ from dsv41_jax import tokenizer as tk
 from dsv41_jax.checkpoint import nest, read_safetensors
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers import engram as eg
+from dsv41_jax.testing.fixtures import fixture_dir
 
-FIX = "/work/shared/fixtures/reference/tiny-engram"
 CASES = ["prefill001", "prefill002", "prefill003", "prefill007", "prefill008", "prefill009",
          "prefill019", "prefill019_compat", "prefill061", "prefill061_compat",
          "batch2_prefill009"]
 
-needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIX), reason="tiny-engram fixtures absent")
+
+def _fix(file: str) -> str:
+    """Path of ``file`` in the tiny-engram reference fixture (extracted on first use)."""
+    return os.path.join(fixture_dir("tiny-engram"), file)
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -44,7 +47,7 @@ def token_map(tok):
 
 @pytest.fixture(scope="module")
 def cfg():
-    return ModelConfig.from_json(os.path.join(FIX, "config.json"))
+    return ModelConfig.from_json(_fix("config.json"))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def consts(cfg, token_map):
 
 @functools.lru_cache(maxsize=None)
 def _npz(name):
-    with np.load(os.path.join(FIX, f"{name}.npz")) as z:
+    with np.load(_fix(f"{name}.npz")) as z:
         return dict(z)
 
 
@@ -69,13 +72,12 @@ def _positions(b, s, p0=0):
 # ----------------------------------------------------------------------------- tokenizer
 
 
-@needs_fixtures
 def test_tokenizer_file_and_image_token(tok):
     path = tk.tokenizer_json_path()
     import hashlib
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
-    with open(os.path.join(FIX, "manifest.json")) as f:
+    with open(_fix("manifest.json")) as f:
         assert sha == json.load(f)["tokenizer"]["sha256"]
     assert tok.get_vocab_size() == 129280
     assert tok.id_to_token(tk.IMAGE_TOKEN_ID) == "<｜deepseek_image｜>"
@@ -83,7 +85,6 @@ def test_tokenizer_file_and_image_token(tok):
     assert tk.encode(tok, "a", bos=False) == [67]
 
 
-@needs_fixtures
 @pytest.mark.parametrize("case", ["prefill061", "prefill008", "prefill007"])
 def test_tokenizer_round_trip(tok, case):
     ids = _npz(case)["input_ids"][0].tolist()
@@ -193,7 +194,6 @@ def test_hash_64bit_mini_example():
     np.testing.assert_array_equal(np.asarray(got2), want[:, p0:])
 
 
-@needs_fixtures
 @pytest.mark.parametrize("case", CASES)
 def test_hash_ids_and_history_vs_reference(case, token_map, consts):
     z = _npz(case)
@@ -224,7 +224,6 @@ def test_hash_ids_and_history_vs_reference(case, token_map, consts):
     np.testing.assert_array_equal(np.asarray(hist), z["after_decode.engram_history"][:, -3:])
 
 
-@needs_fixtures
 def test_hash_chunked_ragged_equals_one_shot(token_map, consts):
     """Rows consume different numbers of tokens per chunk; padding never enters the history."""
     hc = eg.engram_hash_constants(consts)
@@ -256,11 +255,10 @@ def test_hash_chunked_ragged_equals_one_shot(token_map, consts):
 
 @pytest.fixture(scope="module")
 def engram_params():
-    w = nest(read_safetensors(os.path.join(FIX, "weights.safetensors")))
+    w = nest(read_safetensors(_fix("weights.safetensors")))
     return {layer: jax.tree.map(jnp.asarray, w["layers"][layer]["engram"]) for layer in (1, 4)}
 
 
-@needs_fixtures
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_engram_forward_teacher_forced(phase, engram_params, cfg):
     """prefill061: block_out.L{L-1} -> Engram L == engram_out.L{L}, bit for bit."""
@@ -282,7 +280,6 @@ def test_engram_forward_teacher_forced(phase, engram_params, cfg):
                                       err_msg=f"layer {layer} {phase}")
 
 
-@needs_fixtures
 def test_engram_forward_token_mask(engram_params, cfg):
     """Masked (image) positions keep their stream unchanged; others match the unmasked run."""
     z = _npz("batch2_prefill009")

@@ -22,8 +22,8 @@ import pytest
 import dsv41_jax as dsv
 from dsv41_jax import checkpoint, state as st
 from dsv41_jax.config import LayerPlan, ModelConfig
+from dsv41_jax.testing.fixtures import fixture_dir
 
-from conftest import fixture_dir
 
 CAP = 64          # state capacity (tokens) used by every test
 S_BUCKET = 19     # prompt bucket: every prefill call is right-padded to this length

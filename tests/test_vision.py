@@ -11,21 +11,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from PIL import Image
 
-PIL = pytest.importorskip("PIL")
-from PIL import Image  # noqa: E402
-
-from dsv41_jax.checkpoint import nest, read_safetensors  # noqa: E402
-from dsv41_jax.config import ModelConfig  # noqa: E402
-from dsv41_jax.image_processor import (  # noqa: E402
+from dsv41_jax.checkpoint import nest, read_safetensors
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.image_processor import (
     IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, expand_image_placeholders, preprocess_image,
     solve_resize_ratio)
-from dsv41_jax.layers import vision  # noqa: E402
+from dsv41_jax.layers import vision
+from dsv41_jax.testing.fixtures import fixture_dir
 
-FIX = Path("/work/shared/fixtures/reference/tiny-vl")
+FIX = Path(fixture_dir("tiny-vl"))   # collection needs the manifest (the parametrised cases)
 REAL_IMAGE_TOKEN_ID = 129264
-
-pytestmark = pytest.mark.skipif(not FIX.exists(), reason="tiny-vl fixtures not available")
 
 
 @functools.cache
@@ -98,7 +95,7 @@ def _assert_within_ulps(got, ref, n_ulp: float, what: str, max_frac: float = 0.1
 
 
 _IMAGES = [(c["name"], c["file"], im["index"], im["file"])
-           for c in _manifest()["cases"] for im in c["images"]] if FIX.exists() else []
+           for c in _manifest()["cases"] for im in c["images"]]
 _IMAGE_IDS = [f"{case}-I{k}" for case, _, k, _ in _IMAGES]
 
 
@@ -202,7 +199,7 @@ def _raw_to_model_ids(raw: list[int], cfg) -> list[int]:
     return [cfg.image_token_id if t == REAL_IMAGE_TOKEN_ID else t % cfg.vocab_size for t in raw]
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in _manifest()["cases"]] if FIX.exists() else [])
+@pytest.mark.parametrize("case", [c["name"] for c in _manifest()["cases"]])
 def test_expand_image_placeholders(case):
     cfg = _cfg()
     c = next(c for c in _manifest()["cases"] if c["name"] == case)
