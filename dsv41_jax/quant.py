@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, UInt8
+from jaxtyping import Array, ArrayLike, Float, UInt8
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -57,12 +57,12 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 # ----------------------------------------------------------------------------- FP8
 
 
-def fp8_quantize(x: Float[Array, "... K"], block: int = 32) -> tuple[jax.Array, jax.Array]:
+def fp8_quantize(x: Float[ArrayLike, "... K"], block: int = 32) -> tuple[jax.Array, jax.Array]:
     """``act_quant``: e4m3 codes and E8M0 scale bytes, one scale per ``block`` values.
 
     Returns ``(codes float8_e4m3fn [..., K], scale uint8 [..., K // block])``. Spec 2.6.
     """
-    xb = _blocks(x.astype(F32), block)
+    xb = _blocks(jnp.asarray(x, F32), block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
     e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
     s = jnp.ldexp(jnp.ones_like(amax), e)
@@ -112,7 +112,7 @@ def e2m1_decode(code: jax.Array) -> Float[Array, "..."]:
     return jnp.asarray(E2M1_LUT)[code.astype(jnp.int32)]
 
 
-def fp4_quantize(x: Float[Array, "... K"], block: int, scale_fmt: str
+def fp4_quantize(x: Float[ArrayLike, "... K"], block: int, scale_fmt: str
                  ) -> tuple[jax.Array, jax.Array]:
     """``fp4_act_quant``: e2m1 codes (uint8, one per value) and per-block scales.
 
@@ -120,7 +120,7 @@ def fp4_quantize(x: Float[Array, "... K"], block: int, scale_fmt: str
     ``scale_fmt="e4m3"`` (block 16, main KV): ``e4m3(amax / 6)``, returned as float8_e4m3fn.
     Spec 2.6.
     """
-    xb = _blocks(x.astype(F32), block)
+    xb = _blocks(jnp.asarray(x, F32), block)
     amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
     if scale_fmt == "e8m0":
         amax = jnp.maximum(amax, np.float32(6.0 * 2.0 ** -126))

@@ -5,8 +5,10 @@ annotations (shapes and dtypes, beartype) during the tests: the import hook is i
 before anything imports the two packages.
 """
 
+import contextlib
 import sys
 
+import jaxtyping
 from jaxtyping import install_import_hook
 
 if "dsv41_jax" in sys.modules or "pallas_kernels" in sys.modules:
@@ -20,6 +22,32 @@ import dsv41_jax  # noqa: E402,F401  (sets the XLA numerics flag before JAX star
 import pytest  # noqa: E402
 
 from dsv41_jax.testing.fixtures import fixture_dir  # noqa: E402
+
+
+@contextlib.contextmanager
+def annotations_unchecked():
+    """The jaxtyping checks off inside the block.
+
+    For tests of a function's own input validation (the ``ValueError`` a caller gets without
+    the checks) with inputs that its annotations reject: with the checks on, the annotation
+    raises ``jaxtyping.TypeCheckError`` before the function's own check runs. A whole test can
+    use ``@pytest.mark.annotations_unchecked`` instead.
+    """
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+@pytest.fixture(autouse=True)
+def _annotations_unchecked_marker(request):
+    if request.node.get_closest_marker("annotations_unchecked") is None:
+        yield
+        return
+    with annotations_unchecked():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +74,8 @@ SLOW_FIRST = ("test_parity.py::test_fixture_dir", "test_sparse_attention.py::tes
 def pytest_configure(config):
     # registered here too, so that a run without the plugin (-p no:xdist) does not warn
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker")
+    config.addinivalue_line("markers", "annotations_unchecked: a test of input validation that "
+                            "runs without the jaxtyping checks (see annotations_unchecked)")
 
 
 def _slow_rank(item) -> int:
