@@ -1,6 +1,7 @@
 """Run every case of a fixture directory against the model and print the compared errors.
 
-    python scripts/parity.py ../shared/fixtures/reference/tiny-a [--case prefill061 ...]
+    python scripts/parity.py tiny-a [--case prefill061 ...]      # a fixture of fixtures/reference
+    python scripts/parity.py path/to/fixture-dir [--case ...]
     python scripts/parity.py DIR --case prefill061 --layers 0,2,3,6,8 --no-end-to-end
 
 Prints one row per compared array (max absolute and relative error, the tolerance rule, ok/FAIL),
@@ -20,11 +21,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import dsv41_jax  # noqa: E402,F401  (XLA numerics flag)
 from dsv41_jax import parity  # noqa: E402
+from dsv41_jax.testing.fixtures import fixture_dir  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="fixture parity")
-    ap.add_argument("fixture_dir")
+    ap.add_argument("fixture_dir", help="a fixture directory, or the name of one of the "
+                    "repository's fixtures (tiny-a, tiny-a-bf16, tiny-engram, tiny-vl)")
     ap.add_argument("--case", action="append", default=None,
                     help="only this case (repeat the option for several)")
     ap.add_argument("--no-teacher-forced", action="store_true")
@@ -37,6 +40,12 @@ def main(argv=None) -> int:
                     help="sparse attention implementation: auto (the platform's Pallas kernel, "
                          "XLA on CPU), xla, triton, mosaic_tpu, triton_interpret, ...")
     args = ap.parse_args(argv)
+    if not os.path.exists(args.fixture_dir) and os.sep not in args.fixture_dir:
+        try:
+            args.fixture_dir = fixture_dir(args.fixture_dir)
+        except (FileNotFoundError, ValueError) as e:
+            print(e, file=sys.stderr)
+            return 2
     if not os.path.isfile(os.path.join(args.fixture_dir, "manifest.json")):
         print(f"{args.fixture_dir}: no manifest.json (not a fixture directory)", file=sys.stderr)
         return 2

@@ -137,10 +137,7 @@ def test_ced_vs_exact_beyond_window(model, n):
     # The measured approximation: finite logits, and the size of the difference.
     assert np.all(np.isfinite(lc)) and np.all(np.isfinite(le))
     d_logits = _max_abs(lc, le)
-    ring_d = max(_max_abs(st.read_ring({"kv": hc[f"['window']['L{i}']['kv']"],
-                                        "scale": hc[f"['window']['L{i}']['scale']"]}),
-                          st.read_ring({"kv": he[f"['window']['L{i}']['kv']"],
-                                        "scale": he[f"['window']['L{i}']['scale']"]}))
+    ring_d = max(_max_abs(st.read_ring(sc["window"][f"L{i}"]), st.read_ring(se["window"][f"L{i}"]))
                  for i in range(dec, cfg.n_layers))
     assert np.isfinite(d_logits) and np.isfinite(ring_d)
     print(f"\n[ced vs exact] N={n}: max |logits diff| = {d_logits:.4g} "
