@@ -96,7 +96,8 @@ def _check_entry_counts(cfg, state_row, L):
             assert w[:n].all(), f"{name}.{key}: an emitted entry of the first {n} is empty (L={L})"
             assert not w[n:].any(), (f"{name}.{key}: entries beyond floor(L/{r})={n} were written "
                                      f"(L={L}): rows {np.nonzero(w[n:])[0] + n}")
-        lat = np.asarray(st.dequant_main_kv(src["main"][:n], src["main_scale"][:n]), np.float32)
+        lat = np.asarray(st.dequant_main_kv(jnp.asarray(src["main"][:n]),
+                                            jnp.asarray(src["main_scale"][:n])), np.float32)
         assert np.isfinite(lat).all() and (np.abs(lat).sum(-1) > 0).all()
 
 

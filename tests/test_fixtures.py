@@ -170,3 +170,12 @@ def test_annotations_are_checked():
         rms_norm(x, jnp.ones((4,), jnp.float32), 1e-6)
     with pytest.raises(jaxtyping.TypeCheckError):
         rms_norm(jnp.ones((2, 8), jnp.int32), jnp.ones((8,), jnp.float32), 1e-6)
+
+
+def test_command_line(capsys, monkeypatch):
+    monkeypatch.delenv("DSV41_FIXTURES", raising=False)
+    assert fixtures.main(["tiny-vl"]) == 0
+    name, path = capsys.readouterr().out.split()
+    assert name == "tiny-vl" and os.path.isfile(os.path.join(path, "manifest.json"))
+    assert fixtures.main(["tiny-b"]) == 1
+    assert "known fixtures: tiny-a, tiny-a-bf16, tiny-engram, tiny-vl" in capsys.readouterr().err

@@ -17,12 +17,17 @@ Environment:
 Extraction is safe with several processes at once (pytest-xdist workers): each extracts into its
 own temporary directory inside the cache and renames it into place; the rename is atomic, and a
 process that finds the directory already renamed by another uses that one.
+
+``python -m dsv41_jax.testing.fixtures [NAME ...]`` extracts fixtures ahead of time (all by
+default; ``scripts/setup.sh`` runs it) and prints where each one is.
 """
 
+import argparse
 import functools
 import hashlib
 import os
 import shutil
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -128,3 +133,24 @@ def extract(name: str, archive_dir: str, cache_dir: str) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dsv41_jax.testing.fixtures [NAME ...]``: extract the named fixtures (default:
+    every archive in ``fixtures/reference``) and print one ``name path`` line each."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("names", nargs="*", help="fixture names (default: all)")
+    args = ap.parse_args(argv)
+    try:
+        names = args.names or sorted(f.removesuffix(SUFFIX)
+                                     for f in read_checksums(str(ARCHIVE_DIR)))
+        for name in names:
+            print(name, fixture_dir(name))
+    except (FileNotFoundError, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
