@@ -46,23 +46,14 @@ def test_repository_archives_listed_and_verified():
         assert fixtures.sha256(str(fixtures.ARCHIVE_DIR / f"{n}.tar.xz")) == sums[f"{n}.tar.xz"], n
 
 
-def test_fixture_dir_extracts_repository_archive():
-    path = fixture_dir_without_override("tiny-vl")
+def test_fixture_dir_extracts_repository_archive(monkeypatch):
+    monkeypatch.delenv("DSV41_FIXTURES", raising=False)
+    path = fixtures.fixture_dir("tiny-vl")
     assert os.path.basename(path).startswith("tiny-vl-")
     manifest = json.load(open(os.path.join(path, "manifest.json")))
     assert {c["name"] for c in manifest["cases"]} >= {"vl_grad", "batch2_vl"}
     for f in ("config.json", "weights.safetensors", "grad_56x42.png", "vl_grad.npz"):
         assert os.path.isfile(os.path.join(path, f)), f
-
-
-def fixture_dir_without_override(name):
-    """``fixture_dir`` ignoring a ``DSV41_FIXTURES`` override set for the run."""
-    old = os.environ.pop("DSV41_FIXTURES", None)
-    try:
-        return fixtures.fixture_dir(name)
-    finally:
-        if old is not None:
-            os.environ["DSV41_FIXTURES"] = old
 
 
 def test_extract_once(tmp_path):
