@@ -11,6 +11,7 @@ import functools
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,7 +93,8 @@ def test_tokenizer_round_trip(tok, case):
 
 
 def test_token_map_size_and_pad(token_map, cfg):
-    assert token_map.dtype == np.int32 and token_map.shape == (129280,)
+    chex.assert_type(token_map, np.int32)
+    chex.assert_shape(token_map, (129280,))
     assert np.unique(token_map).size == 99092 == cfg.engram_compressed_vocab_size
     assert token_map[2] == 2
     # first-seen order: compressed ids appear in increasing order of first occurrence
@@ -105,7 +107,7 @@ def test_token_map_size_and_pad(token_map, cfg):
 
 def test_constants_tiny(consts, cfg):
     primes = consts["primes"]
-    assert primes.shape == (2, 3, 2)
+    chex.assert_shape(primes, (2, 3, 2))
     assert primes.ravel().tolist() == [1009, 1013, 1019, 1021, 1031, 1033,
                                        1039, 1049, 1051, 1061, 1063, 1069]
     assert primes.reshape(2, -1).sum(-1).tolist() == list(cfg.engram_num_embeddings)
@@ -125,7 +127,7 @@ def test_constants_release(cfg):
         engram_compressed_vocab_size=99092, engram_max_ngram_size=4)
     c = eg.engram_constants(rel)
     p = c["primes"]
-    assert p.shape == (2, 3, 8)
+    chex.assert_shape(p, (2, 3, 8))
     assert p[0, 0].tolist() == [16000057, 16000079, 16000081, 16000097, 16000121, 16000129,
                                 16000133, 16000183]
     assert p[0, 2, -1] == 16000463 and p[1, 0, 0] == 16000477 and p[1, 2, -1] == 16000889
@@ -204,7 +206,8 @@ def test_hash_ids_and_history_vs_reference(case, token_map, consts):
     np.testing.assert_array_equal(np.asarray(cids), z["after_prefill.engram_history"])
     hist = eg.engram_init_history(b, 4)
     got = _hash(cids, hist, _positions(b, s), hc)
-    assert got.dtype == jnp.int32 and got.shape == z["prefill.engram_hash_ids"].shape
+    chex.assert_type(got, jnp.int32)
+    chex.assert_shape(got, z["prefill.engram_hash_ids"].shape)
     np.testing.assert_array_equal(np.asarray(got), z["prefill.engram_hash_ids"])
     hist = _update(hist, cids, jnp.full((b,), s, jnp.int32))
     np.testing.assert_array_equal(np.asarray(hist), z["after_prefill.engram_history"][:, -3:]
@@ -275,7 +278,8 @@ def test_engram_forward_teacher_forced(phase, engram_params, cfg):
         assert not np.array_equal(ref, x)              # Engram did change the stream
         out = fwd(engram_params[layer], jnp.asarray(x, jnp.bfloat16),
                   jnp.asarray(ids, jnp.int32), None, cfg)
-        assert out.dtype == jnp.bfloat16 and out.shape == x.shape
+        chex.assert_type(out, jnp.bfloat16)
+        chex.assert_shape(out, x.shape)
         np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), ref,
                                       err_msg=f"layer {layer} {phase}")
 

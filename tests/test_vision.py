@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,7 +85,7 @@ def _assert_within_ulps(got, ref, n_ulp: float, what: str, max_frac: float = 0.1
     """Max abs error; fails beyond ``n_ulp`` bf16 ulps (see ``_bf16_ulp``) or if more than
     ``max_frac`` of the elements differ at all."""
     got, ref = _f32(got), np.asarray(ref, np.float32)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    chex.assert_equal_shape([got, ref])
     err = np.abs(got.astype(np.float64) - ref)
     ulps = err / _bf16_ulp(ref)
     n_diff = int((err > 0).sum())
@@ -130,7 +131,7 @@ def test_preprocess_large_and_extreme_images_fit_budget():
         d = preprocess_image(Image.new("RGB", (w, h), (10, 200, 30)), cfg)
         nh, nw = d["llm_grid"]
         assert d["token_types"].size == nh * (nw + 1) + 2 <= cfg.vision_max_n_token
-        assert d["patches"].shape == (d["vit_grid"][0] * d["vit_grid"][1], 3 * 14 * 14)
+        chex.assert_shape(d["patches"], (d["vit_grid"][0] * d["vit_grid"][1], 3 * 14 * 14))
 
 
 # ------------------------------------------------------------------ ViT (spec 8.2)
@@ -158,7 +159,7 @@ def test_aligner_from_recorded_vit_out(case, npz, k, file):
     unfold = vision.aligner_unfold(vit_out, d["vit_grid"], cfg.vision_downsample_ratio)
     np.testing.assert_array_equal(_f32(unfold), z[f"image.aligner_unfold.I{k}"])
     out = vision.aligner_forward(_params()["aligner"], vit_out, d["vit_grid"], cfg)
-    assert out.dtype == jnp.bfloat16
+    chex.assert_type(out, jnp.bfloat16)
     np.testing.assert_array_equal(_f32(out), z[f"image.aligner_out.I{k}"])
 
 
@@ -188,7 +189,8 @@ def test_image_embeddings_end_to_end():
     """The public entry point on the smallest image (its ViT path is bit-exact)."""
     z, d = _npz("vl_grad.npz"), _image("grad_56x42.png")
     rows = vision.image_embeddings(_params(), d, _cfg())
-    assert rows.dtype == jnp.bfloat16 and rows.shape == (10, _cfg().dim)
+    chex.assert_type(rows, jnp.bfloat16)
+    chex.assert_shape(rows, (10, _cfg().dim))
     b, start, length = (int(v) for v in z["prefill.image_spans"][0])
     _assert_within_ulps(rows, z["prefill.embed_out"][b, start:start + length], 2, "image rows")
 
@@ -209,7 +211,7 @@ def test_expand_image_placeholders(case):
         images = [_image(f) for f in row["images"]]
         ids, types, spans = expand_image_placeholders(
             _raw_to_model_ids(row["raw_token_ids"], cfg), images, cfg)
-        assert ids.dtype == np.int32 and types.dtype == np.int32
+        chex.assert_type([ids, types], np.int32)
         np.testing.assert_array_equal(ids, z["input_ids"][b])
         np.testing.assert_array_equal(types, z["prefill.token_types"][b])
         assert [(b, s, n) for s, n in spans] == [s for s in spans_ref if s[0] == b]
@@ -242,7 +244,7 @@ def test_span_rows_rejects_mismatched_slots():
 def test_rope_table_layout():
     """First half of the angles is row-based, second half column-based (spec 8.2)."""
     cos, sin = vision.vision_rope_table(2, 3, 16, 10000.0)
-    assert cos.shape == (6, 8)
+    chex.assert_shape(cos, (6, 8))
     inv = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)
     phi = np.arctan2(_f32(sin), _f32(cos))
     np.testing.assert_allclose(phi[5, :4], 1 * inv, rtol=1e-6)   # row 1
