@@ -73,7 +73,10 @@ def read_checksums(archive_dir: str) -> dict[str, str]:
     """``{file name: sha256 hex}`` from ``<archive_dir>/SHA256SUMS`` (``sha256sum`` format)."""
     path = Path(archive_dir) / CHECKSUMS
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the reference fixtures' checksums are missing")
+        raise FileNotFoundError(
+            f"{path} not found: the reference fixtures' checksums are missing (the fixtures ship "
+            f"with a checkout of the repository, not with an installed package; or set "
+            f"DSV41_FIXTURES to a directory of extracted fixtures)")
     sums = {}
     for line in path.read_text().splitlines():
         if line.strip():
