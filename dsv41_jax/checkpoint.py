@@ -9,6 +9,7 @@ two codes per byte). Spec 2.4, 2.5, 9.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -37,10 +38,11 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
-def nest(flat: dict[str, np.ndarray]) -> dict:
+def nest(flat: dict[str, Any]) -> dict:
     """``{"layers.0.attn.wq_a.weight": a}`` -> ``{"layers": {0: {"attn": {"wq_a": {...}}}}}``.
 
-    Numeric path components become int keys (use :func:`as_list` to turn them into lists).
+    The leaves are kept as they are (numpy or device arrays). Numeric path components become
+    int keys (use :func:`as_list` to turn them into lists).
     """
     root: dict = {}
     for name, arr in flat.items():

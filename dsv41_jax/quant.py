@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, UInt8
+from jaxtyping import Array, ArrayLike, Float, UInt8
 
 # the FP4 quantiser primitives live beside the FP4 codec kernels, their reference
 from pallas_kernels.fp4.reference import (_E2M1_BOUNDS, BF16, E2M1_LUT, E2M1_VALUES,  # noqa: F401
@@ -29,12 +29,12 @@ from pallas_kernels.fp4.reference import (_E2M1_BOUNDS, BF16, E2M1_LUT, E2M1_VAL
 # ----------------------------------------------------------------------------- FP8
 
 
-def fp8_quantize(x: Float[Array, "... K"], block: int = 32) -> tuple[jax.Array, jax.Array]:
+def fp8_quantize(x: Float[ArrayLike, "... K"], block: int = 32) -> tuple[jax.Array, jax.Array]:
     """``act_quant``: e4m3 codes and E8M0 scale bytes, one scale per ``block`` values.
 
     Returns ``(codes float8_e4m3fn [..., K], scale uint8 [..., K // block])``. Spec 2.6.
     """
-    xb = _blocks(x.astype(F32), block)
+    xb = _blocks(jnp.asarray(x, F32), block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
     e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
     s = jnp.ldexp(jnp.ones_like(amax), e)

@@ -17,3 +17,5 @@ if [ "$(cat .venv/.dsv41-installed 2>/dev/null)" != "$stamp" ]; then
   .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
   echo "$stamp" > .venv/.dsv41-installed
 fi
+# the reference fixtures the tests read: verified and extracted once into .fixtures-cache/
+.venv/bin/python -m dsv41_jax.testing.fixtures >/dev/null

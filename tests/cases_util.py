@@ -1,4 +1,4 @@
-"""Helpers for tests/test_cases.py (the bug cases of ../shared/cases/README.md).
+"""Helpers for tests/test_cases.py (the failure modes B01 ... B24).
 
 Every model-level case runs through ONE compiled prefill per batch size: prompts are right-padded
 to a fixed bucket of ``BUCKET`` tokens, the state has a fixed capacity ``CAP``, and every call
@@ -81,30 +81,6 @@ def decode(params, cfg, state, tokens):
 def row(tree, b):
     """Row ``b`` of every leaf of a (numpy) tree with a leading batch axis."""
     return jax.tree.map(lambda a: np.asarray(a)[b], tree)
-
-
-def raw(a):
-    """Bytes-comparable view of an array (fp8 / fp32 compare bit for bit)."""
-    a = np.ascontiguousarray(np.asarray(a))
-    if a.dtype.itemsize == 1:
-        return a.view(np.uint8)
-    if a.dtype.itemsize == 2:
-        return a.view(np.uint16)
-    if a.dtype.itemsize == 4:
-        return a.view(np.uint32)
-    return a
-
-
-def tree_diff(a, b, prefix=""):
-    """Paths of leaves that differ bit for bit (and shapes)."""
-    bad = []
-    fa, _ = jax.tree_util.tree_flatten_with_path(a)
-    fb, _ = jax.tree_util.tree_flatten_with_path(b)
-    assert [p for p, _ in fa] == [p for p, _ in fb], "tree structures differ"
-    for (p, x), (_, y) in zip(fa, fb):
-        if np.shape(x) != np.shape(y) or not np.array_equal(raw(x), raw(y)):
-            bad.append(prefix + jax.tree_util.keystr(p))
-    return bad
 
 
 # ----------------------------------------------------------------------------- oracles

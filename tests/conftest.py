@@ -1,20 +1,53 @@
-"""Shared test fixtures: the golden reference fixtures and loaded parameters, built once."""
+"""Shared test fixtures: the reference fixtures and loaded parameters, built once.
 
-import os
+Every function of ``dsv41_jax`` and ``pallas_kernels`` is checked against its jaxtyping
+annotations (shapes and dtypes, beartype) during the tests: the import hook is installed here,
+before anything imports the two packages.
+"""
 
-import dsv41_jax  # noqa: F401  (sets the XLA numerics flag before JAX starts)
-import pytest
+import contextlib
+import sys
 
-FIXTURES = os.environ.get(
-    "DSV41_FIXTURES",
-    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "reference"))
+import jaxtyping
+from jaxtyping import install_import_hook
+
+if "dsv41_jax" in sys.modules or "pallas_kernels" in sys.modules:
+    raise RuntimeError("dsv41_jax / pallas_kernels were imported before tests/conftest.py: "
+                       "their jaxtyping annotations would go unchecked")
+# is_pep484_tower: an int is accepted where a float is annotated (PEP 484's numeric tower)
+install_import_hook(["dsv41_jax", "pallas_kernels"],
+                    "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
+
+import dsv41_jax  # noqa: E402,F401  (sets the XLA numerics flag before JAX starts)
+import pytest  # noqa: E402
+
+from dsv41_jax.testing.fixtures import fixture_dir  # noqa: E402
 
 
-def fixture_dir(name: str) -> str:
-    path = os.path.join(FIXTURES, name)
-    if not os.path.isdir(path):
-        pytest.fail(f"fixture directory {path} is missing (set DSV41_FIXTURES)")
-    return path
+@contextlib.contextmanager
+def annotations_unchecked():
+    """The jaxtyping checks off inside the block.
+
+    For tests of a function's own input validation (the ``ValueError`` a caller gets without
+    the checks) with inputs that its annotations reject: with the checks on, the annotation
+    raises ``jaxtyping.TypeCheckError`` before the function's own check runs. A whole test can
+    use ``@pytest.mark.annotations_unchecked`` instead.
+    """
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+@pytest.fixture(autouse=True)
+def _annotations_unchecked_marker(request):
+    if request.node.get_closest_marker("annotations_unchecked") is None:
+        yield
+        return
+    with annotations_unchecked():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +74,8 @@ SLOW_FIRST = ("test_parity.py::test_fixture_dir", "test_sparse_attention.py::tes
 def pytest_configure(config):
     # registered here too, so that a run without the plugin (-p no:xdist) does not warn
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker")
+    config.addinivalue_line("markers", "annotations_unchecked: a test of input validation that "
+                            "runs without the jaxtyping checks (see annotations_unchecked)")
 
 
 def _slow_rank(item) -> int:

@@ -1,4 +1,4 @@
-"""The known failure modes of ../shared/cases/README.md (B01 ... B24) as tests of our API.
+"""Failure modes that other implementations of this model shipped (B01 ... B24) as API tests.
 
 Model-level cases use the tiny-a fixture (config T: window 8, top-k 4, candidate pool 3 blocks of
 2, ratio-2 encoder sources L2/L4, ratio-1 decoder source L6 = candidate source, Reindex 8/10,
@@ -22,10 +22,11 @@ import pytest
 
 import cases_util as cu
 import dsv41_jax as dsv
-from conftest import fixture_dir
 from dsv41_jax import quant, state as st
 from dsv41_jax.checkpoint import read_checkpoint
 from dsv41_jax.config import LayerPlan
+from dsv41_jax.testing.fixtures import fixture_dir
+from tree_checks import assert_trees_bitwise_equal, bits, bitwise_diffs
 from dsv41_jax.layers import attention as attn_mod
 from dsv41_jax.layers import compressor, indexer, mhc, moe as moe_mod
 from dsv41_jax.layers.linear import linear, rms_norm
@@ -83,7 +84,7 @@ def prefix(M, A):
 def _written_rows(src: dict, key: str) -> np.ndarray:
     """bool [T]: entry rows of a (row of a) KV source holding any non-zero byte."""
     scale = "main_scale" if key == "main" else "index_scale"
-    return (cu.raw(src[key]) != 0).any(-1) | (cu.raw(src[scale]) != 0).any(-1)
+    return (bits(src[key]) != 0).any(-1) | (bits(src[scale]) != 0).any(-1)
 
 
 def _check_entry_counts(cfg, state_row, L):
@@ -95,7 +96,8 @@ def _check_entry_counts(cfg, state_row, L):
             assert w[:n].all(), f"{name}.{key}: an emitted entry of the first {n} is empty (L={L})"
             assert not w[n:].any(), (f"{name}.{key}: entries beyond floor(L/{r})={n} were written "
                                      f"(L={L}): rows {np.nonzero(w[n:])[0] + n}")
-        lat = np.asarray(st.dequant_main_kv(src["main"][:n], src["main_scale"][:n]), np.float32)
+        lat = np.asarray(st.dequant_main_kv(jnp.asarray(src["main"][:n]),
+                                            jnp.asarray(src["main_scale"][:n])), np.float32)
         assert np.isfinite(lat).all() and (np.abs(lat).sum(-1) > 0).all()
 
 
@@ -134,7 +136,7 @@ def test_b01_compressor_valid_length(M, A, oracle, prefix):
             for key in ("main", "main_scale", "index", "index_scale"):
                 got = s0["kv"][name][key][:L // r]
                 ref = oracle["state"]["kv"][name][key][0, :L // r]
-                assert np.array_equal(cu.raw(got), cu.raw(ref)), f"{name}.{key} L={L}"
+                assert_trees_bitwise_equal(got, ref, f"{name}.{key} L={L}: entries and oracle")
         for layer, name in ((2, "L2"), (4, "L4")):
             comp = params["layers"][layer]["attn"]["compressor"]
             x = np.asarray(cu.layer_input(params, cfg, rec, layer)[0], np.float32)   # [32, D]
@@ -182,7 +184,7 @@ def test_b01_packed_batch(M, A):
     for b, sq in enumerate(seqs):
         o1, s1 = cu.prefill(params, cfg, [sq])
         _check_entry_counts(cfg, cu.row(sb, b), len(sq))
-        diff = cu.tree_diff(cu.row(sb["kv"], b), cu.row(cu.to_np(s1)["kv"], 0))
+        diff = bitwise_diffs(cu.row(sb["kv"], b), cu.row(cu.to_np(s1)["kv"], 0))
         if diff:
             bad.append(f"row {b} (len {len(sq)}): latents differ from its own run in {diff}")
         for i in INDEX_LAYERS:
@@ -220,12 +222,13 @@ def test_b03_chunked_prefill_equals_one_shot(M, A, oracle, prefix):
                 _, ref = prefix(q)
                 for name in ("L2", "L4"):
                     for key in ("tail_kv", "tail_score"):
-                        assert np.array_equal(cu.raw(s_now["kv"][name][key]),
-                                              cu.raw(ref["kv"][name][key])), (c, q, name, key)
+                        assert_trees_bitwise_equal(
+                            s_now["kv"][name][key], ref["kv"][name][key],
+                            f"chunks of {c}, q={q}: {name}.{key} and the one-shot tail")
                 state = cu.to_dev(s_now)
             p = q
-        diff = cu.tree_diff(cu.to_np(state), one)
-        assert not diff, f"chunks of {c}: state differs from one-shot prefill in {diff}"
+        assert_trees_bitwise_equal(cu.to_np(state), one,
+                                   f"chunks of {c}: state and one-shot prefill state")
 
 
 # ----------------------------------------------------------------------------- B04
@@ -257,7 +260,7 @@ def test_b04_selection_visibility(M, A, oracle, prefix):
             for key in ("index_topk", "index_score") + (("candidates",) if i == 6 else ()):
                 got = out["records"][i][key][0, :3]
                 ref = out9["records"][i][key][0, 3 * k:3 * k + 3]
-                assert np.array_equal(cu.raw(got), cu.raw(ref)), f"chunk {k} L{i} {key}"
+                assert_trees_bitwise_equal(got, ref, f"chunk {k} L{i} {key} and one shot")
     # 5-token chunk at p = 9 == one-shot rows 9..13
     out5, _ = cu.prefill(params, cfg, [A[9:14]], cu.to_dev(prefix(9)[1]))
     for i in INDEX_LAYERS:
@@ -303,7 +306,7 @@ def test_b05_ring_not_full(M, A, oracle, prefix):
     rng = np.random.default_rng(0)
     emb_x = cu.layer0_input(params, cfg, A[None])                 # [1, 32, D]
     codes, scale = cu.window_kv_codes(params, cfg, 0, emb_x, jnp.arange(32)[None], "base")
-    codes, scale = cu.raw(codes[0]), cu.raw(scale[0])
+    codes, scale = np.asarray(codes[0]), np.asarray(scale[0])
     for L in (1, 3, 5, 7, 8, 9, 13):
         out, s = prefix(L)
         s0 = cu.row(s, 0)
@@ -315,11 +318,11 @@ def test_b05_ring_not_full(M, A, oracle, prefix):
             ps = [q for q in range(L) if q % W == slot]
             if ps:
                 q = ps[-1]
-                assert np.array_equal(cu.raw(ring["kv"][slot]), codes[q]), (L, slot, q)
-                assert np.array_equal(cu.raw(ring["scale"][slot]), scale[q]), (L, slot, q)
+                assert_trees_bitwise_equal((ring["kv"][slot], ring["scale"][slot]),
+                                           (codes[q], scale[q]), f"L={L} slot {slot} q={q}")
         for name, rg in s0["window"].items():
             never = [slot for slot in range(W) if slot >= L]
-            assert not cu.raw(rg["kv"][never]).any() and not cu.raw(rg["scale"][never]).any(), name
+            assert not bits(rg["kv"][never]).any() and not bits(rg["scale"][never]).any(), name
         # next decode step, clean vs garbage in the never-written ring slots
         clean, st_c = cu.decode(params, cfg, cu.to_dev(s), [A[L]])
         if L < W:
@@ -328,11 +331,12 @@ def test_b05_ring_not_full(M, A, oracle, prefix):
                 rg["kv"][:, L:] = cu.poison_bytes(rng, rg["kv"][:, L:])
                 rg["scale"][:, L:] = cu.poison_bytes(rng, rg["scale"][:, L:], e8m0=True)
             dirty, _ = cu.decode(params, cfg, cu.to_dev(bad), [A[L]])
-            assert np.array_equal(cu.raw(dirty["logits"]), cu.raw(clean["logits"])), (
-                f"L={L}: garbage in never-written ring slots changed the decode logits")
+            assert_trees_bitwise_equal(
+                dirty["logits"], clean["logits"],
+                f"L={L}: decode logits with garbage in never-written ring slots and without")
         # the decoded token's own KV is in slot L % W (layer 0: recomputed)
         ring = cu.to_np(st_c)["window"]["L0"]
-        assert np.array_equal(cu.raw(ring["kv"][0, L % W]), codes[L]), f"self slot, L={L}"
+        assert_trees_bitwise_equal(ring["kv"][0, L % W], codes[L], f"self slot, L={L}")
     # window index lists (indices into [ring (W slots); chunk rows])
     for p in (0, 3, 7, 8, 13):
         idx, ok = attn_mod.window_list(cu.make_chunk(cfg, p, 1, decode=True, win_lo=0), W)
@@ -400,7 +404,7 @@ def test_b06_topk_padding_and_garbage(M, A, prefix):
     def f(kvv):
         return attn_mod.sparse_attention_reference(q, kvv, jnp.asarray(valid), sink, Kd ** -0.5)
     o_g, o_z = f(jnp.asarray(kv_garbage, BF16)), f(jnp.asarray(kv_zero, BF16))
-    assert np.array_equal(cu.raw(o_g), cu.raw(o_z))
+    assert_trees_bitwise_equal(o_g, o_z, "outputs with garbage and zeros in masked entries")
     assert not np.asarray(o_g[0, 1]).astype(np.float32).any(), "all-masked row must give 0"
     g = jax.grad(lambda kvv: jnp.sum(f(kvv).astype(F32) * 1.7))(jnp.asarray(kv_garbage, F32))
     g = np.asarray(g)
@@ -423,8 +427,10 @@ def test_b06_topk_padding_and_garbage(M, A, prefix):
         for p in (L, L + 1):
             oc, sc = cu.decode(params, cfg, sc, [A[p]])
             od, sd = cu.decode(params, cfg, sd, [A[p]])
-            assert np.array_equal(cu.raw(od["logits"]), cu.raw(oc["logits"])), (
-                f"garbage in unwritten entries / stale tail changed decode at p={p} (L={L})")
+            assert_trees_bitwise_equal(
+                od["logits"], oc["logits"],
+                f"decode at p={p} (L={L}) with garbage in unwritten entries / stale tail and "
+                f"without")
             for i in INDEX_LAYERS:
                 row = oc["records"][i]["index_topk"][0, 0]
                 assert (row < (p + 1) // cfg.compress_ratios[i]).all()
@@ -628,11 +634,11 @@ def test_b09_rope_policy(M, A, oracle, attn_runner):
         x = (cu.layer0_input(params, cfg, A[None]) if layer == 0
              else cu.layer_input(params, cfg, oracle["rec"], layer))
         ring = oracle["state"]["window"][f"L{layer}"]
-        got = cu.raw(ring["kv"][0])[np.arange(24, 32) % cfg.window_size]
+        got = np.asarray(ring["kv"][0])[np.arange(24, 32) % cfg.window_size]
         right, _ = cu.window_kv_codes(params, cfg, layer, x, jnp.arange(32)[None], kind)
         wrong, _ = cu.window_kv_codes(params, cfg, layer, x, jnp.arange(32)[None], other)
-        assert np.array_equal(got, cu.raw(right[0, 24:])), f"layer {layer} not rotated with {kind}"
-        assert not np.array_equal(got, cu.raw(wrong[0, 24:]))
+        assert_trees_bitwise_equal(got, right[0, 24:], f"layer {layer} rotated with {kind}")
+        assert not np.array_equal(bits(got), bits(wrong[0, 24:]))
     # attention logit scale (captured from the attention call of layers 0 and 3)
     res = attn_runner(0)
     assert res["scales"] == [cfg.head_dim ** -0.5] * 2, res["scales"]
@@ -674,10 +680,10 @@ def test_b10_compressed_entry_rope(M, A, oracle):
         def main_codes(position):
             cos, sin = rope_angles(position, fc)
             c, s_ = quant.fp4_quantize(apply_rope(lat, cos, sin), 16, "e4m3")
-            return cu.raw(quant.pack_nibbles(c)[0]), cu.raw(s_[0])
-        got = (cu.raw(src["main"][0, :n]), cu.raw(src["main_scale"][0, :n]))
+            return bits(quant.pack_nibbles(c)[0]), bits(s_[0])
+        got = (bits(src["main"][0, :n]), bits(src["main_scale"][0, :n]))
         right = main_codes(ids * r)
-        assert np.array_equal(got[0], right[0]) and np.array_equal(got[1], right[1]), layer
+        assert_trees_bitwise_equal(got, right, f"L{layer}: main KV entries")
         wrong = main_codes(ids * (3 - r))   # ratio 2: position k; ratio 1: position 2k
         assert not np.array_equal(got[0][1:], wrong[0][1:]), f"L{layer}: wrong anchor matches"
 
@@ -686,10 +692,10 @@ def test_b10_compressed_entry_rope(M, A, oracle):
             k = rms_norm(linear(v, a["indexer"]["wk"]), a["indexer"]["k_norm"]["weight"],
                          cfg.norm_eps)
             c, s_ = quant.fp4_quantize(apply_rope(k, cos, sin), 32, "e8m0")
-            return cu.raw(quant.pack_nibbles(c)[0]), cu.raw(s_[0])
-        got = (cu.raw(src["index"][0, :n]), cu.raw(src["index_scale"][0, :n]))
+            return bits(quant.pack_nibbles(c)[0]), bits(s_[0])
+        got = (bits(src["index"][0, :n]), bits(src["index_scale"][0, :n]))
         right = index_codes(lat, ids * r)
-        assert np.array_equal(got[0], right[0]) and np.array_equal(got[1], right[1]), layer
+        assert_trees_bitwise_equal(got, right, f"L{layer}: indexer K entries")
         cos, sin = rope_angles(ids * r, fc)
         wrong = index_codes(apply_rope(lat, cos, sin), ids * r)
         assert not np.array_equal(got[0], wrong[0]), f"L{layer}: keys from the rotated latent"
@@ -707,7 +713,7 @@ def test_b10_compressed_entry_rope(M, A, oracle):
     l38, i38, v38, _ = comp(38)
     l39, _, v39, _ = comp(39)
     v0, v38 = np.asarray(v0[0]), np.asarray(v38[0])
-    assert np.array_equal(cu.raw(l0[0][v0]), cu.raw(l38[0][v38]))
+    assert_trees_bitwise_equal(l0[0][v0], l38[0][v38], "latents at offsets 0 and 38")
     assert list(np.asarray(i38[0])[v38]) == list(np.asarray(i0[0])[v0] + 19)
     assert not np.allclose(np.asarray(l39[0][np.asarray(v39[0])][:5], np.float32),
                            np.asarray(l0[0][v0][:5], np.float32), atol=1e-2)
@@ -1095,8 +1101,8 @@ def test_b24_batch_invariance_selections(M, oracle, b24):
     for name, src in alone["A"][1]["kv"].items():
         n = 12 // cfg.compress_ratios[int(name[1:])]
         for key in ("main", "main_scale", "index", "index_scale"):
-            assert np.array_equal(cu.raw(src[key][0, :n]),
-                                  cu.raw(oracle["state"]["kv"][name][key][0, :n])), (name, key)
+            assert_trees_bitwise_equal(src[key][0, :n], oracle["state"]["kv"][name][key][0, :n],
+                                       f"{name}.{key} of A alone and the oracle")
     sB = cu.row(alone["B"][1], 0)
     _check_entry_counts(cfg, sB, 11)
     assert np.isfinite(sB["kv"]["L2"]["tail_score"]).all()
@@ -1106,7 +1112,7 @@ def test_b24_batch_invariance_selections(M, oracle, b24):
             o1, s1 = alone[k]
             n = len(seqs[k])
             _check_entry_counts(cfg, cu.row(s, b), n)
-            diff = cu.tree_diff(cu.row(s["kv"], b), cu.row(s1["kv"], 0))
+            diff = bitwise_diffs(cu.row(s["kv"], b), cu.row(s1["kv"], 0))
             if diff:
                 bad.append(f"{k} in row {b} of {order}: global KV differs from alone in {diff}")
             for i in INDEX_LAYERS:
@@ -1130,7 +1136,7 @@ def test_b24_batch_invariance_values(M, b24):
             o1, s1 = alone[k]
             n = len(seqs[k])
             d = float(np.abs(out["all_logits"][b, :n] - o1["all_logits"][0, :n]).max())
-            diff = cu.tree_diff(cu.row(s, b), cu.row(s1, 0))
+            diff = bitwise_diffs(cu.row(s, b), cu.row(s1, 0))
             if d > 1e-3 or diff:
                 worst.append(f"{k} in row {b} of {order}: max |logit diff| {d:.3g}, state "
                              f"differs in {diff}")

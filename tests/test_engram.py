@@ -11,6 +11,7 @@ import functools
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,13 +21,16 @@ from dsv41_jax import tokenizer as tk
 from dsv41_jax.checkpoint import nest, read_safetensors
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers import engram as eg
+from dsv41_jax.testing.fixtures import fixture_dir
 
-FIX = "/work/shared/fixtures/reference/tiny-engram"
 CASES = ["prefill001", "prefill002", "prefill003", "prefill007", "prefill008", "prefill009",
          "prefill019", "prefill019_compat", "prefill061", "prefill061_compat",
          "batch2_prefill009"]
 
-needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIX), reason="tiny-engram fixtures absent")
+
+def _fix(file: str) -> str:
+    """Path of ``file`` in the tiny-engram reference fixture (extracted on first use)."""
+    return os.path.join(fixture_dir("tiny-engram"), file)
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -44,7 +48,7 @@ def token_map(tok):
 
 @pytest.fixture(scope="module")
 def cfg():
-    return ModelConfig.from_json(os.path.join(FIX, "config.json"))
+    return ModelConfig.from_json(_fix("config.json"))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ def consts(cfg, token_map):
 
 @functools.lru_cache(maxsize=None)
 def _npz(name):
-    with np.load(os.path.join(FIX, f"{name}.npz")) as z:
+    with np.load(_fix(f"{name}.npz")) as z:
         return dict(z)
 
 
@@ -69,13 +73,12 @@ def _positions(b, s, p0=0):
 # ----------------------------------------------------------------------------- tokenizer
 
 
-@needs_fixtures
 def test_tokenizer_file_and_image_token(tok):
     path = tk.tokenizer_json_path()
     import hashlib
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
-    with open(os.path.join(FIX, "manifest.json")) as f:
+    with open(_fix("manifest.json")) as f:
         assert sha == json.load(f)["tokenizer"]["sha256"]
     assert tok.get_vocab_size() == 129280
     assert tok.id_to_token(tk.IMAGE_TOKEN_ID) == "<｜deepseek_image｜>"
@@ -83,7 +86,6 @@ def test_tokenizer_file_and_image_token(tok):
     assert tk.encode(tok, "a", bos=False) == [67]
 
 
-@needs_fixtures
 @pytest.mark.parametrize("case", ["prefill061", "prefill008", "prefill007"])
 def test_tokenizer_round_trip(tok, case):
     ids = _npz(case)["input_ids"][0].tolist()
@@ -91,7 +93,8 @@ def test_tokenizer_round_trip(tok, case):
 
 
 def test_token_map_size_and_pad(token_map, cfg):
-    assert token_map.dtype == np.int32 and token_map.shape == (129280,)
+    chex.assert_type(token_map, np.int32)
+    chex.assert_shape(token_map, (129280,))
     assert np.unique(token_map).size == 99092 == cfg.engram_compressed_vocab_size
     assert token_map[2] == 2
     # first-seen order: compressed ids appear in increasing order of first occurrence
@@ -104,7 +107,7 @@ def test_token_map_size_and_pad(token_map, cfg):
 
 def test_constants_tiny(consts, cfg):
     primes = consts["primes"]
-    assert primes.shape == (2, 3, 2)
+    chex.assert_shape(primes, (2, 3, 2))
     assert primes.ravel().tolist() == [1009, 1013, 1019, 1021, 1031, 1033,
                                        1039, 1049, 1051, 1061, 1063, 1069]
     assert primes.reshape(2, -1).sum(-1).tolist() == list(cfg.engram_num_embeddings)
@@ -124,7 +127,7 @@ def test_constants_release(cfg):
         engram_compressed_vocab_size=99092, engram_max_ngram_size=4)
     c = eg.engram_constants(rel)
     p = c["primes"]
-    assert p.shape == (2, 3, 8)
+    chex.assert_shape(p, (2, 3, 8))
     assert p[0, 0].tolist() == [16000057, 16000079, 16000081, 16000097, 16000121, 16000129,
                                 16000133, 16000183]
     assert p[0, 2, -1] == 16000463 and p[1, 0, 0] == 16000477 and p[1, 2, -1] == 16000889
@@ -193,7 +196,6 @@ def test_hash_64bit_mini_example():
     np.testing.assert_array_equal(np.asarray(got2), want[:, p0:])
 
 
-@needs_fixtures
 @pytest.mark.parametrize("case", CASES)
 def test_hash_ids_and_history_vs_reference(case, token_map, consts):
     z = _npz(case)
@@ -204,7 +206,8 @@ def test_hash_ids_and_history_vs_reference(case, token_map, consts):
     np.testing.assert_array_equal(np.asarray(cids), z["after_prefill.engram_history"])
     hist = eg.engram_init_history(b, 4)
     got = _hash(cids, hist, _positions(b, s), hc)
-    assert got.dtype == jnp.int32 and got.shape == z["prefill.engram_hash_ids"].shape
+    chex.assert_type(got, jnp.int32)
+    chex.assert_shape(got, z["prefill.engram_hash_ids"].shape)
     np.testing.assert_array_equal(np.asarray(got), z["prefill.engram_hash_ids"])
     hist = _update(hist, cids, jnp.full((b,), s, jnp.int32))
     np.testing.assert_array_equal(np.asarray(hist), z["after_prefill.engram_history"][:, -3:]
@@ -224,7 +227,6 @@ def test_hash_ids_and_history_vs_reference(case, token_map, consts):
     np.testing.assert_array_equal(np.asarray(hist), z["after_decode.engram_history"][:, -3:])
 
 
-@needs_fixtures
 def test_hash_chunked_ragged_equals_one_shot(token_map, consts):
     """Rows consume different numbers of tokens per chunk; padding never enters the history."""
     hc = eg.engram_hash_constants(consts)
@@ -256,11 +258,10 @@ def test_hash_chunked_ragged_equals_one_shot(token_map, consts):
 
 @pytest.fixture(scope="module")
 def engram_params():
-    w = nest(read_safetensors(os.path.join(FIX, "weights.safetensors")))
+    w = nest(read_safetensors(_fix("weights.safetensors")))
     return {layer: jax.tree.map(jnp.asarray, w["layers"][layer]["engram"]) for layer in (1, 4)}
 
 
-@needs_fixtures
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_engram_forward_teacher_forced(phase, engram_params, cfg):
     """prefill061: block_out.L{L-1} -> Engram L == engram_out.L{L}, bit for bit."""
@@ -277,12 +278,12 @@ def test_engram_forward_teacher_forced(phase, engram_params, cfg):
         assert not np.array_equal(ref, x)              # Engram did change the stream
         out = fwd(engram_params[layer], jnp.asarray(x, jnp.bfloat16),
                   jnp.asarray(ids, jnp.int32), None, cfg)
-        assert out.dtype == jnp.bfloat16 and out.shape == x.shape
+        chex.assert_type(out, jnp.bfloat16)
+        chex.assert_shape(out, x.shape)
         np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), ref,
                                       err_msg=f"layer {layer} {phase}")
 
 
-@needs_fixtures
 def test_engram_forward_token_mask(engram_params, cfg):
     """Masked (image) positions keep their stream unchanged; others match the unmasked run."""
     z = _npz("batch2_prefill009")

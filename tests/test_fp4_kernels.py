@@ -237,6 +237,7 @@ def test_codec_scales_exhaustive():
     _assert_same(s, quant.e8m0_to_f32(ref_index))
 
 
+@pytest.mark.annotations_unchecked   # the functions' own ValueErrors
 def test_errors_and_dispatch():
     x = jnp.zeros((2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="impl"):

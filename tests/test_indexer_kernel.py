@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.triton import gpu_info
 
+from conftest import annotations_unchecked
 from dsv41_jax import quant
 from dsv41_jax import state as st
 from pallas_kernels import indexer as pidx
@@ -77,6 +78,7 @@ def test_kernel_matches_spec(B, S, I, J, T, tune):
     assert (np.abs(ref[fin] - got[fin]) <= 2.0 ** -7 * np.abs(want[fin])).all()
 
 
+@pytest.mark.annotations_unchecked   # the functions' own ValueErrors
 def test_dispatch_and_errors():
     q, w, codes, scale = _inputs(1, 1, 16, 128, 40)
     vis = jnp.full((1, 1), 40, jnp.int32)
@@ -210,13 +212,13 @@ def test_selection_kernel_equals_radix_topk():
     assert ttk.select_topk(jnp.zeros((0, 3, 5), F32), 8, interpret=True).shape == (0, 3, 5)
     s = jnp.zeros((1, 1, 4), F32)
     for bad_k in (0, -1, True, 2.0):
-        with pytest.raises(ValueError, match="k must"):
+        with annotations_unchecked(), pytest.raises(ValueError, match="k must"):
             ttk.select_topk(s, bad_k, interpret=True)
-        with pytest.raises(ValueError, match="k must"):
+        with annotations_unchecked(), pytest.raises(ValueError, match="k must"):
             pidx.select_topk(s, bad_k, impl="xla")
-    with pytest.raises(ValueError, match="score"):
+    with annotations_unchecked(), pytest.raises(ValueError, match="score"):
         ttk.select_topk(jnp.zeros((1, 4), F32), 2, interpret=True)
-    with pytest.raises(ValueError, match="score"):
+    with annotations_unchecked(), pytest.raises(ValueError, match="score"):
         pidx.select_topk(s.astype(BF16), 2, impl="xla")
     with pytest.raises(ValueError, match="tile"):
         ttk.select_topk(s, 2, interpret=True, tile=6)

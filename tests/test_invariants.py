@@ -22,8 +22,9 @@ import pytest
 import dsv41_jax as dsv
 from dsv41_jax import checkpoint, state as st
 from dsv41_jax.config import LayerPlan, ModelConfig
+from dsv41_jax.testing.fixtures import fixture_dir
+from tree_checks import assert_trees_bitwise_equal, bits, max_abs_diff as _max_abs
 
-from conftest import fixture_dir
 
 CAP = 64          # state capacity (tokens) used by every test
 S_BUCKET = 19     # prompt bucket: every prefill call is right-padded to this length
@@ -52,37 +53,6 @@ def _host(state) -> dict:
     """Flat ``{path: numpy array}`` of a state (a host copy, safe against donation)."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     return {jax.tree_util.keystr(p): np.array(v) for p, v in leaves}
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
-
-
-def _max_abs(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    with np.errstate(invalid="ignore"):
-        d = np.where(np.isinf(a) & (a == b), 0.0, np.abs(a - b))
-    return float(np.nanmax(d)) if d.size else 0.0
-
-
-def _state_diffs(a: dict, b: dict, skip=lambda path: False) -> list[str]:
-    """Paths (with a short description) whose arrays are not bitwise equal."""
-    assert a.keys() == b.keys(), f"state layouts differ: {sorted(a.keys() ^ b.keys())}"
-    out = []
-    for k in a:
-        if skip(k):
-            continue
-        x, y = a[k], b[k]
-        if x.shape != y.shape or x.dtype != y.dtype:
-            out.append(f"{k}: {x.shape}/{x.dtype} vs {y.shape}/{y.dtype}")
-            continue
-        neq = _bits(x) != _bits(y)
-        if neq.any():
-            out.append(f"{k}: {int(neq.sum())}/{neq.size} elements differ, "
-                       f"max |diff| {_max_abs(x, y):.3g}")
-    return out
 
 
 def _pad_batch(rows: list[np.ndarray], pad_seed: int | None = None, vocab: int = 1):
@@ -118,7 +88,7 @@ def _row(h: dict, i: int) -> dict:
 
 def _written_rows(a: np.ndarray) -> np.ndarray:
     """Bool [T]: rows of a packed [1, T, F] entry array with any non-zero byte."""
-    return (_bits(a[0]).reshape(a.shape[1], -1) != 0).any(-1)
+    return (bits(a[0]).reshape(a.shape[1], -1) != 0).any(-1)
 
 
 # ----------------------------------------------------------------------------- 1. ced vs exact
@@ -138,10 +108,8 @@ def test_ced_equals_exact_within_window(model, n):
     lc, sc = _run(params, cfg, seq, [n], "ced")
     le, se = _run(params, cfg, seq, [n], "exact")
     assert np.all(np.isfinite(lc))
-    diffs = _state_diffs(_host(sc), _host(se))
-    assert not diffs, f"N={n}: CED and exact states differ:\n" + "\n".join(diffs)
-    assert np.array_equal(_bits(lc), _bits(le)), \
-        f"N={n}: CED and exact logits differ, max |diff| {_max_abs(lc, le):.3g}"
+    assert_trees_bitwise_equal(_host(sc), _host(se), f"N={n}: CED and exact states")
+    assert_trees_bitwise_equal(lc, le, f"N={n}: CED and exact logits")
 
 
 @pytest.mark.parametrize("n", [9, 13, 19])
@@ -164,16 +132,12 @@ def test_ced_vs_exact_beyond_window(model, n):
     def is_dec_ring(path):
         return any(path.startswith(r) for r in dec_rings)
 
-    diffs = _state_diffs(hc, he, skip=is_dec_ring)
-    assert not diffs, f"N={n}: encoder / global state differs between CED and exact:\n" + \
-        "\n".join(diffs)
+    assert_trees_bitwise_equal(hc, he, f"N={n}: encoder / global state of CED and exact",
+                               skip=is_dec_ring)
     # The measured approximation: finite logits, and the size of the difference.
     assert np.all(np.isfinite(lc)) and np.all(np.isfinite(le))
     d_logits = _max_abs(lc, le)
-    ring_d = max(_max_abs(st.read_ring({"kv": hc[f"['window']['L{i}']['kv']"],
-                                        "scale": hc[f"['window']['L{i}']['scale']"]}),
-                          st.read_ring({"kv": he[f"['window']['L{i}']['kv']"],
-                                        "scale": he[f"['window']['L{i}']['scale']"]}))
+    ring_d = max(_max_abs(st.read_ring(sc["window"][f"L{i}"]), st.read_ring(se["window"][f"L{i}"]))
                  for i in range(dec, cfg.n_layers))
     assert np.isfinite(d_logits) and np.isfinite(ring_d)
     print(f"\n[ced vs exact] N={n}: max |logits diff| = {d_logits:.4g} "
@@ -266,11 +230,9 @@ def test_chunked_prefill_equals_one_shot(model, mode, chunks):
     seq = _tokens(400, 19, cfg.vocab_size)
     l1, s1 = _run(params, cfg, seq, [19], mode)
     lc, sc = _run(params, cfg, seq, list(chunks), mode)
-    diffs = _state_diffs(_host(s1), _host(sc))
-    assert not diffs, f"{mode} {chunks}: chunked state differs from one shot:\n" + \
-        "\n".join(diffs)
-    assert np.array_equal(_bits(l1), _bits(lc)), \
-        f"{mode} {chunks}: last logits differ, max |diff| {_max_abs(l1, lc):.3g}"
+    assert_trees_bitwise_equal(_host(s1), _host(sc),
+                               f"{mode} {chunks}: chunked and one-shot states")
+    assert_trees_bitwise_equal(l1, lc, f"{mode} {chunks}: chunked and one-shot last logits")
 
 
 # ----------------------------------------------------------------------------- 4. entry counts
@@ -341,8 +303,8 @@ def test_entry_counts_and_tails(model):
         _, state = _prefill(params, cfg, state, [seq[n - 1:n]], "exact")
         h = _host(state)
         _check_entries(cfg, h, n, "one token per prefill call")
-        d = _state_diffs(h, one_shot[n], skip=lambda p: n % 2 == 0 and "tail_" in p)
-        assert not d, f"n={n}: token-by-token prefill differs from one shot:\n" + "\n".join(d)
+        assert_trees_bitwise_equal(h, one_shot[n], f"n={n}: token-by-token and one-shot states",
+                                   skip=lambda p: n % 2 == 0 and "tail_" in p)
 
     # Along decode: prefill 3 then 12 steps.
     _, state = _run(params, cfg, seq[:3], [3], "exact")
@@ -352,9 +314,10 @@ def test_entry_counts_and_tails(model):
         h, hb = _host(state), _host(sb)
         _check_entries(cfg, h, n, "prefill(3) + decode")
         if (n - 1) % 2 == 0:
-            d = _state_diffs(h, hb)
-            assert not d and np.array_equal(_bits(np.array(lb)), _bits(np.array(lg))), (
-                f"n={n - 1}: the tail of an even position influenced the next step: {d}")
+            what = f"n={n - 1} (the tail of an even position must not matter): next"
+            assert_trees_bitwise_equal(h, hb, f"{what} states with and without the tail")
+            assert_trees_bitwise_equal(np.array(lg), np.array(lb),
+                                       f"{what} logits with and without the tail")
         else:
             j = (n - 1) // 2          # the entry this step completes, from the tail
             for i in r2:
@@ -447,10 +410,8 @@ def test_batch_rows_isolated_same_shape(model):
         for step in range(2):
             (l1, h1), (l2, h2) = with_o[step], with_q[step]
             where = f"row 'a' in slot {slot}, chunk {step + 1}, partner 'o' vs 'q'"
-            diffs = _state_diffs(_row(h1, slot), _row(h2, slot))
-            assert not diffs, f"{where}: state row differs:\n" + "\n".join(diffs)
-            assert np.array_equal(_bits(l1[slot]), _bits(l2[slot])), \
-                f"{where}: logits differ, max |diff| {_max_abs(l1[slot], l2[slot]):.3g}"
+            assert_trees_bitwise_equal(_row(h1, slot), _row(h2, slot), f"{where}: state rows")
+            assert_trees_bitwise_equal(l1[slot], l2[slot], f"{where}: logits")
 
 
 # ----------------------------------------------------------------------------- 6. rejected calls
@@ -459,8 +420,7 @@ def test_batch_rows_isolated_same_shape(model):
 def _assert_untouched(state, before: dict, what: str):
     for k, v in jax.tree_util.tree_flatten_with_path(state)[0]:
         assert not v.is_deleted(), f"{what}: state array {jax.tree_util.keystr(k)} was donated"
-    diffs = _state_diffs(_host(state), before)
-    assert not diffs, f"{what} changed the state:\n" + "\n".join(diffs)
+    assert_trees_bitwise_equal(_host(state), before, f"{what}: the state before and after")
 
 
 def test_rejected_calls_leave_state_untouched(model):

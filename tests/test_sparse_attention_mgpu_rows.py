@@ -106,6 +106,7 @@ def test_rows_kernel_list_splits(kw, n_splits):
     _compare(o1, l1, o0, l0, bitwise_frac=0.8)    # (a different summation order)
 
 
+@pytest.mark.annotations_unchecked   # the functions' own ValueErrors
 def test_rows_kernel_rejects_bad_input():
     args = make_inputs(B=1, S=2, H=H, K=K, Nw=70, T=150, Ww=8, k=8)
     kv, rows = _rows_and_list(args)
@@ -290,6 +291,7 @@ def test_packed_producer_scales_e4m3x2():
         np.testing.assert_array_equal(ptx_emu.bf16_values(out), want)
 
 
+@pytest.mark.annotations_unchecked   # the functions' own ValueErrors
 def test_packed_kernel_rejects_long_lists():
     args = list(make_inputs(B=1, S=2, H=H, K=K, Nw=70, T=150, Ww=8, k=8))
     args[6] = jnp.zeros((1, 2, mr.MAX_LIST), jnp.int32)

@@ -7,25 +7,23 @@ import json
 import math
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from PIL import Image
 
-PIL = pytest.importorskip("PIL")
-from PIL import Image  # noqa: E402
-
-from dsv41_jax.checkpoint import nest, read_safetensors  # noqa: E402
-from dsv41_jax.config import ModelConfig  # noqa: E402
-from dsv41_jax.image_processor import (  # noqa: E402
+from dsv41_jax.checkpoint import nest, read_safetensors
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.image_processor import (
     IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, expand_image_placeholders, preprocess_image,
     solve_resize_ratio)
-from dsv41_jax.layers import vision  # noqa: E402
+from dsv41_jax.layers import vision
+from dsv41_jax.testing.fixtures import fixture_dir
 
-FIX = Path("/work/shared/fixtures/reference/tiny-vl")
+FIX = Path(fixture_dir("tiny-vl"))   # collection needs the manifest (the parametrised cases)
 REAL_IMAGE_TOKEN_ID = 129264
-
-pytestmark = pytest.mark.skipif(not FIX.exists(), reason="tiny-vl fixtures not available")
 
 
 @functools.cache
@@ -87,7 +85,7 @@ def _assert_within_ulps(got, ref, n_ulp: float, what: str, max_frac: float = 0.1
     """Max abs error; fails beyond ``n_ulp`` bf16 ulps (see ``_bf16_ulp``) or if more than
     ``max_frac`` of the elements differ at all."""
     got, ref = _f32(got), np.asarray(ref, np.float32)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    chex.assert_equal_shape([got, ref])
     err = np.abs(got.astype(np.float64) - ref)
     ulps = err / _bf16_ulp(ref)
     n_diff = int((err > 0).sum())
@@ -98,7 +96,7 @@ def _assert_within_ulps(got, ref, n_ulp: float, what: str, max_frac: float = 0.1
 
 
 _IMAGES = [(c["name"], c["file"], im["index"], im["file"])
-           for c in _manifest()["cases"] for im in c["images"]] if FIX.exists() else []
+           for c in _manifest()["cases"] for im in c["images"]]
 _IMAGE_IDS = [f"{case}-I{k}" for case, _, k, _ in _IMAGES]
 
 
@@ -133,7 +131,7 @@ def test_preprocess_large_and_extreme_images_fit_budget():
         d = preprocess_image(Image.new("RGB", (w, h), (10, 200, 30)), cfg)
         nh, nw = d["llm_grid"]
         assert d["token_types"].size == nh * (nw + 1) + 2 <= cfg.vision_max_n_token
-        assert d["patches"].shape == (d["vit_grid"][0] * d["vit_grid"][1], 3 * 14 * 14)
+        chex.assert_shape(d["patches"], (d["vit_grid"][0] * d["vit_grid"][1], 3 * 14 * 14))
 
 
 # ------------------------------------------------------------------ ViT (spec 8.2)
@@ -161,7 +159,7 @@ def test_aligner_from_recorded_vit_out(case, npz, k, file):
     unfold = vision.aligner_unfold(vit_out, d["vit_grid"], cfg.vision_downsample_ratio)
     np.testing.assert_array_equal(_f32(unfold), z[f"image.aligner_unfold.I{k}"])
     out = vision.aligner_forward(_params()["aligner"], vit_out, d["vit_grid"], cfg)
-    assert out.dtype == jnp.bfloat16
+    chex.assert_type(out, jnp.bfloat16)
     np.testing.assert_array_equal(_f32(out), z[f"image.aligner_out.I{k}"])
 
 
@@ -191,7 +189,8 @@ def test_image_embeddings_end_to_end():
     """The public entry point on the smallest image (its ViT path is bit-exact)."""
     z, d = _npz("vl_grad.npz"), _image("grad_56x42.png")
     rows = vision.image_embeddings(_params(), d, _cfg())
-    assert rows.dtype == jnp.bfloat16 and rows.shape == (10, _cfg().dim)
+    chex.assert_type(rows, jnp.bfloat16)
+    chex.assert_shape(rows, (10, _cfg().dim))
     b, start, length = (int(v) for v in z["prefill.image_spans"][0])
     _assert_within_ulps(rows, z["prefill.embed_out"][b, start:start + length], 2, "image rows")
 
@@ -202,7 +201,7 @@ def _raw_to_model_ids(raw: list[int], cfg) -> list[int]:
     return [cfg.image_token_id if t == REAL_IMAGE_TOKEN_ID else t % cfg.vocab_size for t in raw]
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in _manifest()["cases"]] if FIX.exists() else [])
+@pytest.mark.parametrize("case", [c["name"] for c in _manifest()["cases"]])
 def test_expand_image_placeholders(case):
     cfg = _cfg()
     c = next(c for c in _manifest()["cases"] if c["name"] == case)
@@ -212,7 +211,7 @@ def test_expand_image_placeholders(case):
         images = [_image(f) for f in row["images"]]
         ids, types, spans = expand_image_placeholders(
             _raw_to_model_ids(row["raw_token_ids"], cfg), images, cfg)
-        assert ids.dtype == np.int32 and types.dtype == np.int32
+        chex.assert_type([ids, types], np.int32)
         np.testing.assert_array_equal(ids, z["input_ids"][b])
         np.testing.assert_array_equal(types, z["prefill.token_types"][b])
         assert [(b, s, n) for s, n in spans] == [s for s in spans_ref if s[0] == b]
@@ -245,7 +244,7 @@ def test_span_rows_rejects_mismatched_slots():
 def test_rope_table_layout():
     """First half of the angles is row-based, second half column-based (spec 8.2)."""
     cos, sin = vision.vision_rope_table(2, 3, 16, 10000.0)
-    assert cos.shape == (6, 8)
+    chex.assert_shape(cos, (6, 8))
     inv = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)
     phi = np.arctan2(_f32(sin), _f32(cos))
     np.testing.assert_allclose(phi[5, :4], 1 * inv, rtol=1e-6)   # row 1

@@ -1,6 +1,7 @@
 """``dsv41-parity``: run the cases of a reference fixture directory against the model.
 
-    dsv41-parity fixtures/reference/tiny-a [--case prefill061 ...]
+    dsv41-parity tiny-a [--case prefill061 ...]     # one of the repository's fixtures
+    dsv41-parity path/to/fixture-dir [--case ...]
     dsv41-parity DIR --case prefill061 --layers 0,2,3,6,8 --no-end-to-end
 
 Prints the hard checks (PASS / FAIL), the information rows (INFO, never fail) and the empty
@@ -21,6 +22,7 @@ import time
 from dsv41_jax import model
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.testing import parity
+from dsv41_jax.testing.fixtures import fixture_dir
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,7 +36,9 @@ def _parser() -> _Parser:
     ap = _Parser(prog="dsv41-parity",
                  description="Compare the model with a reference fixture directory.")
     ap.add_argument("fixture_dir", help="a fixture directory (config.json, weights.safetensors, "
-                                        "manifest.json and one .npz per case)")
+                                        "manifest.json and one .npz per case), or the name of "
+                                        "one of the repository's fixtures (tiny-a, tiny-a-bf16, "
+                                        "tiny-engram, tiny-vl)")
     ap.add_argument("--case", action="append", default=None, metavar="NAME",
                     help="only this case (repeat the option for several; default: all)")
     ap.add_argument("--no-teacher-forced", action="store_true",
@@ -56,6 +60,11 @@ def _args(argv):
     """Parsed and checked options: every conflict or bad value is a usage error."""
     ap = _parser()
     args = ap.parse_args(argv)
+    if not os.path.exists(args.fixture_dir) and os.sep not in args.fixture_dir:
+        try:
+            args.fixture_dir = fixture_dir(args.fixture_dir)
+        except (FileNotFoundError, ValueError) as e:
+            ap.error(" ".join(str(e).split()))
     manifest = os.path.join(args.fixture_dir, "manifest.json")
     if not os.path.isfile(manifest):
         ap.error(f"{args.fixture_dir}: no manifest.json (not a fixture directory)")

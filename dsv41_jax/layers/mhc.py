@@ -44,7 +44,8 @@ def hc_mixes(x: Float[Array, "B S C D"], fn: Float[Array, "M CD"], scale, base, 
     return sinkhorn_split(mixes, scale, base, hc, iters, hc_eps)
 
 
-def hc_pre(x: Float[Array, "B S C D"], pre: Float[Array, "B S C"]) -> Float[Array, "B S D"]:
+def hc_pre(x: Float[Array, "*batch C D"], pre: Float[Array, "*batch C"]
+           ) -> Float[Array, "*batch D"]:
     """Collapse the streams: ``bf16(sum_j pre[j] * x[j])``. Spec 5."""
     return jnp.sum(pre[..., None] * x.astype(F32), axis=-2).astype(BF16)
 

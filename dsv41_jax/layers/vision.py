@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, ArrayLike, Float
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -67,7 +67,7 @@ def _linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
     return _round_bf16(y)
 
 
-def vision_rms_norm(x: Float[Array, "... V"], w: Float[Array, "V"]) -> Float[Array, "... V"]:
+def vision_rms_norm(x: Float[Array, "... V"], w: Float[ArrayLike, "V"]) -> Float[Array, "... V"]:
     """Vision RMSNorm: ``bf16(w_f32 * x_f32 * rsqrt(mean(x^2) + 1e-6))``. Spec 8.2."""
     xf = x.astype(F32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + VISION_NORM_EPS)

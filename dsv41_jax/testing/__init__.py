@@ -1,1 +1,1 @@
-"""Test and parity support: comparisons against the reference fixtures (not used by the model)."""
+"""Test and benchmark support: reference fixtures and parity checks (not part of the model)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, UInt8
+from jaxtyping import Array, ArrayLike, Float, UInt8
 
 from pallas_kernels.fp4.common import E2M1_BOUNDS, F32
 
@@ -77,7 +77,7 @@ def e2m1_decode(code: jax.Array) -> Float[Array, "..."]:
     return jnp.asarray(E2M1_LUT)[code.astype(jnp.int32)]
 
 
-def fp4_quantize(x: Float[Array, "... K"], block: int, scale_fmt: str
+def fp4_quantize(x: Float[ArrayLike, "... K"], block: int, scale_fmt: str
                  ) -> tuple[jax.Array, jax.Array]:
     """``fp4_act_quant``: e2m1 codes (uint8, one per value) and per-block scales.
 
@@ -92,7 +92,7 @@ def fp4_quantize(x: Float[Array, "... K"], block: int, scale_fmt: str
     Raises ``ValueError`` for an unknown ``scale_fmt`` or a last dim not a multiple of
     ``block``.
     """
-    xb = _blocks(x.astype(F32), block)
+    xb = _blocks(jnp.asarray(x, F32), block)
     nan = jnp.any(jnp.isnan(xb), axis=-1, keepdims=True)
     amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
     if scale_fmt == "e8m0":
