@@ -56,12 +56,22 @@ def _add_bf16(a: Float[Array, "..."], b: Float[Array, "..."]) -> Float[Array, ".
 def _linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
     """bf16 ``nn.Linear``: ``bf16(x @ W.T + b)``, fp32 accumulation and bias add. Spec 8.2.
 
-    The bf16 operands are upcast (exactly) and multiplied as an fp32 GEMM: on CPU this follows the
-    reference's summation closely enough to reproduce the recorded ``aligner_out`` bit for bit,
-    which a bf16 dot with fp32 accumulation misses by one ulp.
+    The bf16 operands are upcast (their products are exact in fp32) and summed in chunks of 16
+    whose fp32 partial sums are added pairwise: the result is then as close to the exact sum as
+    the reference's (the recorded ``aligner_out`` is reproduced bit for bit), where XLA:CPU's
+    plain fp32 GEMM flips the bf16 rounding of a few outputs.
     """
-    w = jnp.asarray(p["weight"]).astype(BF16).astype(F32)
-    y = jnp.einsum("...i,oi->...o", x.astype(BF16).astype(F32), w, precision=HIGHEST)
+    w_oi = jnp.asarray(p["weight"]).astype(BF16).astype(F32)
+    x_i = x.astype(BF16).astype(F32)
+    n_in = x_i.shape[-1]
+    c = 16 if n_in % 16 == 0 else n_in
+    part = jnp.einsum("...jc,ojc->j...o", x_i.reshape(*x_i.shape[:-1], n_in // c, c),
+                      w_oi.reshape(-1, n_in // c, c), precision=HIGHEST)
+    while part.shape[0] > 1:   # pairwise sum of the chunk partials
+        if part.shape[0] % 2:
+            part = jnp.concatenate([part, jnp.zeros_like(part[:1])])
+        part = part[0::2] + part[1::2]
+    y = part[0]
     if "bias" in p:
         y = y + jnp.asarray(p["bias"]).astype(F32)
     return _round_bf16(y)
