@@ -12,7 +12,7 @@ files (one or both modes per file, any lengths). ``--topk`` adds a panel of the 
 top-k selection against the row length: device times of the XLA radix selection, the one-stage
 kernel and the kernel with its default segments (``topk_triton.default_segment``), per batch,
 from selection sweeps (JSON lists of ``{B, T, impl, device_us}``, e.g.
-``docs/results/h200_s13_run1_topk_long.json``; later files win).
+``docs/results/h200_topk_sweep_1.json``; later files win).
 
 Needs matplotlib (``pip install -e .[notebooks]``).
 """
