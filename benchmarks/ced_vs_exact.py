@@ -24,6 +24,7 @@ import numpy as np
 
 from dsv41_jax import checkpoint, model, random_weights, state as st
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.cli.args import Parser, positive_int
 
 SMALL_JSON = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                            "configs", "small.json"))
@@ -65,27 +66,17 @@ def compare(params, cfg, tokens, n_decode: int = 8) -> list[dict]:
     return rows
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ced_vs_exact", description=__doc__.split("\n")[0])
+    ap = Parser(prog="ced_vs_exact", description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--fixture", default=None, metavar="DIR",
                      help="directory with config.json and weights.safetensors (default: "
                           "seeded random weights of --config)")
     src.add_argument("--config", default=None, metavar="PATH",
                      help="config of the random weights (default configs/small.json)")
-    ap.add_argument("--lengths", type=_positive_int, nargs="+", default=[8, 32, 61],
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[8, 32, 61],
                     help="prompt lengths (default 8 32 61)")
-    ap.add_argument("--decode", type=_positive_int, default=8,
+    ap.add_argument("--decode", type=positive_int, default=8,
                     help="decode steps after each prefill (default 8)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows here")
     return ap

@@ -37,6 +37,7 @@ import numpy as np
 from benchmarks.timing import (best, fmt_entry, fmt_row, measure, rates, roofline, time_fn,
                                timed_entry, write_json)
 from dsv41_jax import quant, state as st
+from dsv41_jax.cli.args import Parser, positive_int
 from dsv41_jax.layers import indexer
 from pallas_kernels import fp4
 from pallas_kernels import indexer as pidx
@@ -419,16 +420,6 @@ def sweep_grid(rows_q: int) -> list[dict]:
             for bh in (32, 64) for nw in (4, 8) for ns in (1, 2)]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def _json_list(text: str) -> list[dict]:
     try:
         v = json.loads(text)
@@ -441,7 +432,7 @@ def _json_list(text: str) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dsv41-bench-kernels",
+    ap = Parser(prog="dsv41-bench-kernels",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench_kernels.json",
                     help="JSON results (written after every row; default bench_kernels.json)")
@@ -452,9 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--impls", default=None,
                     help="comma list of " + ", ".join(IMPL_NAMES) + " (default: xla and the "
                          "platform's family)")
-    ap.add_argument("--inner", type=_positive_int, default=8,
+    ap.add_argument("--inner", type=positive_int, default=8,
                     help="op calls per timed jit, on distinct inputs (default 8)")
-    ap.add_argument("--reps", type=_positive_int, default=5,
+    ap.add_argument("--reps", type=positive_int, default=5,
                     help="timed runs per row; the median is reported (default 5)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time a grid of GPU-family tunings per row")

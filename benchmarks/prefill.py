@@ -34,6 +34,7 @@ from tqdm import tqdm
 from benchmarks import config as bench_config
 from benchmarks.timing import memory_stats, write_json, xla_compiles
 from dsv41_jax import model, random_weights, state as st
+from dsv41_jax.cli.args import Parser, positive_int, positive_ints
 
 GB = 1e9
 
@@ -41,29 +42,12 @@ GB = 1e9
 # ----------------------------------------------------------------------------- arguments
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _positive_ints(text: str) -> list[int]:
-    vals = [_positive_int(x) for x in text.split(",") if x.strip()]
-    if not vals:
-        raise argparse.ArgumentTypeError("no lengths given")
-    return vals
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dsv41-bench-prefill", description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=_positive_ints, default=None,
+    ap = Parser(prog="dsv41-bench-prefill", description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=positive_ints, default=None,
                     help="comma-separated prompt lengths (default 4096,16384,65536; with --tiny "
                          "64,128)")
-    ap.add_argument("--chunk", type=_positive_int, default=None,
+    ap.add_argument("--chunk", type=positive_int, default=None,
                     help="prefill chunk in tokens (default 2048; with --tiny 64)")
     ap.add_argument("--modes", default="ced,exact", help="comma-separated: ced, exact")
     ap.add_argument("--attn-impl", default="auto",
@@ -72,11 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the results as JSON here (updated after every run)")
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
-    ap.add_argument("--experts", type=_positive_int, default=8,
+    ap.add_argument("--experts", type=positive_int, default=8,
                     help="routed experts (release: 384; default 8)")
-    ap.add_argument("--activated", type=_positive_int, default=6,
+    ap.add_argument("--activated", type=positive_int, default=6,
                     help="activated experts, <= --experts (release: 6; default 6)")
-    ap.add_argument("--vocab", type=_positive_int, default=4096,
+    ap.add_argument("--vocab", type=positive_int, default=4096,
                     help="vocabulary (release: 129,280; default 4096)")
     ap.add_argument("--engram", choices=["shrink", "drop"], default="shrink",
                     help="shrink: both Engram layers with small hash tables (release compute "
@@ -85,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="state capacity of every run (default 0: each run's own length). One "
                          "capacity for all lengths compiles once per mode instead of once per "
                          "(length, mode), but the indexer then scores the whole capacity")
-    ap.add_argument("--warmup-chunks", type=_positive_int, default=2,
+    ap.add_argument("--warmup-chunks", type=positive_int, default=2,
                     help="chunks run on a throwaway state before each timed run (default 2)")
-    ap.add_argument("--max-chunks", type=_positive_int, default=None,
+    ap.add_argument("--max-chunks", type=positive_int, default=None,
                     help="time only the first N chunks of each prompt (a chunk's cost depends on "
                          "the state's capacity, not on its position: every call has the same "
                          "static shapes); seconds for the whole prompt are then projected as "

@@ -64,7 +64,7 @@ _TUPLE_KEYS = ("compress_ratios", "kv_source_layers", "index_source_layers", "en
                "engram_num_embeddings", "dspark_target_layer_ids")
 
 
-def _check_keys(d: dict, known: set, where: str) -> None:
+def _check_keys(d: dict, known: set | frozenset, where: str) -> None:
     """Raise ``ValueError`` naming the first key of ``d`` not in ``known`` (``where``: the part of
     the file it is in) and the closest known key."""
     for k in d:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from dsv41_jax import checkpoint, model, random_weights, state as st, tokenizer
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.cli.args import Parser, positive_int
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs")
 DEFAULT_CONFIG = os.path.normpath(os.path.join(CONFIGS, "small.json"))
@@ -90,16 +91,6 @@ def state_report(cfg: ModelConfig, state: dict) -> list[str]:
 # ----------------------------------------------------------------------------- arguments
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def _temperature(text: str) -> float:
     try:
         v = float(text)
@@ -111,13 +102,13 @@ def _temperature(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dsv41-generate", description=__doc__.split("\n")[0])
+    ap = Parser(prog="dsv41-generate", description=__doc__.split("\n")[0])
     prompt = ap.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None,
                         help="prompt text, not empty (default: a fixed English sentence)")
     prompt.add_argument("--prompt-file", default=None, metavar="PATH",
                         help="read the prompt from this UTF-8 text file (not empty)")
-    ap.add_argument("--max-new-tokens", type=_positive_int, default=16, metavar="N",
+    ap.add_argument("--max-new-tokens", type=positive_int, default=16, metavar="N",
                     help="tokens to generate, >= 1 (the first comes from the prefill; "
                          "default 16)")
     ap.add_argument("--config", default=None, metavar="PATH",
@@ -133,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(every layer on every position); default ced")
     ap.add_argument("--temperature", type=_temperature, default=0.0,
                     help="sampling temperature, >= 0 (0: greedy; default 0)")
-    ap.add_argument("--chunk", type=_positive_int, default=256, metavar="N",
+    ap.add_argument("--chunk", type=positive_int, default=256, metavar="N",
                     help="prefill chunk in tokens, >= 1 (default 256)")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the measurements to this JSON file")

@@ -12,7 +12,6 @@ status 0 when every hard check passed (and at least one ran), 1 otherwise, 2 for
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -23,17 +22,11 @@ from dsv41_jax import model
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.testing import parity
 from dsv41_jax.testing.fixtures import fixture_dir
+from dsv41_jax.cli.args import Parser
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr, exit status 2 (argparse's convention)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _parser() -> _Parser:
-    ap = _Parser(prog="dsv41-parity",
+def _parser() -> Parser:
+    ap = Parser(prog="dsv41-parity",
                  description="Compare the model with a reference fixture directory.")
     ap.add_argument("fixture_dir", help="a fixture directory (config.json, weights.safetensors, "
                                         "manifest.json and one .npz per case), or the name of "
@@ -87,7 +80,7 @@ def _args(argv):
         if args.no_teacher_forced:
             ap.error("--layers selects teacher-forced blocks but --no-teacher-forced is given")
     try:
-        model.kernel_impls(cfg, args.attn_impl, 1)
+        model.kernel_impls(cfg, args.attn_impl)
     except ValueError as e:
         ap.error(f"--attn-impl: {e}")
     return args

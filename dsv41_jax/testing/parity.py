@@ -88,8 +88,8 @@ class Check:
                 f"{self.measured}{rule}")
 
 
-def hard(case, name, ok: bool, max_abs, max_rel, measured, rule="") -> Check:
-    """A hard check: ``pass`` if ``ok`` else ``fail``."""
+def hard(case, name, ok: bool | np.bool_, max_abs, max_rel, measured, rule="") -> Check:
+    """A hard check: ``pass`` if ``ok`` (a Python or NumPy bool) else ``fail``."""
     return Check(case, name, "pass" if ok else "fail", float(max_abs), float(max_rel), measured,
                  rule)
 

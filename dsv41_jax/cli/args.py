@@ -1,0 +1,31 @@
+"""Argument parsing shared by the command-line programs: one-line usage errors, checked types."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    """``ArgumentParser`` whose usage errors are one line on stderr, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (``ArgumentTypeError`` otherwise)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def positive_ints(text: str) -> list[int]:
+    """An ``argparse`` type: a comma list of integers >= 1, at least one."""
+    vals = [positive_int(x) for x in text.split(",") if x.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of integers >= 1")
+    return vals
