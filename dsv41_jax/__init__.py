@@ -9,9 +9,9 @@ two XLA flags through ``XLA_FLAGS`` (each only if the caller has not set it; imp
   of layer 0 of ``tiny-a-bf16``).
 * ``--xla_cpu_experimental_ynn_fusion_type=`` (empty: no YNNPACK library fusions on CPU):
   those fusions drop explicit bf16 roundings even with excess precision off (the indexer's
-  ``bf16(sum_h f32(bf16(relu(dot) * w_h)))``, docs/architecture.md) and make a row's result
-  depend on the rest of its batch (a right-padded batch no longer equals each row run alone,
-  by up to 0.6 in the logits of a bf16 model). GPU and TPU do not use them.
+  ``bf16(sum_h f32(bf16(relu(dot) * w_h)))``; docs/architecture.md, "Indexer") and make a row's
+  result depend on the rest of its batch (a right-padded batch no longer equals each row run
+  alone, by up to 0.6 in the logits of a bf16 model). GPU and TPU do not use them.
 
 ``tests/test_numerics.py`` and ``tests/test_config_quant.py`` check both properties.
 """

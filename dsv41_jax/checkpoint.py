@@ -3,7 +3,8 @@
 The raw reader returns numpy arrays in storage dtypes that JAX understands:
 ``BF16 -> bfloat16``, ``F32 -> float32``, ``F8_E4M3 -> float8_e4m3fn``,
 ``F8_E8M0 -> uint8`` (the exponent byte, value ``2**(u-127)``), ``I8 -> uint8`` (packed e2m1,
-two codes per byte). Spec 2.4, 2.5, 9.
+two codes per byte). See docs/architecture.md, "Quantised linears", "Number formats" and
+"Checkpoint format and load-time conversions".
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def _cdiv(a: int, b: int) -> int:
 def expected_tensors(cfg) -> dict[str, tuple[tuple, tuple]]:
     """Every text-model tensor the reference format holds: name -> (shape, allowed dtypes).
 
-    Spec 9 (names, shapes, dtypes per layer kind), scaled by ``cfg``. DSpark (``mtp.*``) and
+    The reference's names, shapes and dtypes per layer kind (docs/architecture.md,
+    "Checkpoint format and load-time conversions"), scaled by ``cfg``. DSpark (``mtp.*``) and
     vision tensors are not listed (they are optional for the text model).
     """
     from dsv41_jax.config import LayerPlan
@@ -174,7 +176,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def engram_params(cfg, tokenizer_map=None) -> dict:
-    """``engram_token_map`` (int32 [V]) and the hashing constants of the Engram layers (spec 6).
+    """``engram_token_map`` (int32 [V]) and the hashing constants of the Engram layers
+    (docs/architecture.md, "Engram").
 
     ``tokenizer_map`` defaults to the compressed map built from the real tokenizer. Raises
     ``ValueError`` if its number of ids is not ``cfg.engram_compressed_vocab_size``.
@@ -196,9 +199,10 @@ def engram_params(cfg, tokenizer_map=None) -> dict:
 
 
 def params_from_tensors(flat: dict[str, np.ndarray], cfg, tokenizer_map=None) -> dict:
-    """Reference tensors -> the model's parameter pytree, with the load-time conversions of
-    spec 2.7: experts stacked (packed FP4 kept), ``wo_a`` dequantised to bf16, the BF16-stored
-    fp32 tensors upcast (head, ratio-2 compressor). Validates names and shapes first.
+    """Reference tensors -> the model's parameter pytree, with the load-time conversions
+    (docs/architecture.md, "Checkpoint format and load-time conversions"): experts stacked
+    (packed FP4 kept), ``wo_a`` dequantised to bf16, the BF16-stored fp32 tensors upcast (head,
+    ratio-2 compressor). Validates names and shapes first.
     """
     import jax.numpy as jnp
 

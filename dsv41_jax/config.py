@@ -1,9 +1,10 @@
 """Model configuration (the reference's ``inference/config.json``) and derived layer roles.
 
-``ModelConfig`` reads the reference keys verbatim (spec 1.1, 1.2) or the nested Hugging Face
-layout; absent keys take the reference defaults. ``LayerPlan`` derives each layer's role
-(spec 1.3): SWA-only / Full / Reindex / Reuse, the layers whose main KV and top-k it reads, the
-candidate pool, Engram, the RoPE table kind, and the encoder/decoder (CED) split.
+``ModelConfig`` reads the reference keys verbatim (docs/architecture.md, "Configuration") or the
+nested Hugging Face layout; absent keys take the reference defaults. ``LayerPlan`` derives each
+layer's role (docs/architecture.md, "Layer schedule"): SWA-only / Full / Reindex / Reuse, the
+layers whose main KV and top-k it reads, the candidate pool, Engram, the RoPE table kind, and the
+encoder/decoder (CED) split.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import math
 import os
 from typing import Any
 
-# Defaults of the reference ModelArgs dataclass (spec 1.1), for keys absent from config.json.
+# Defaults of the reference ModelArgs dataclass, for keys absent from config.json
+# (docs/architecture.md, "Configuration").
 _DEFAULTS: dict[str, Any] = dict(
     vocab_size=129280, dim=1024, moe_inter_dim=1024, n_layers=5, n_mtp_layers=1, n_heads=16,
     n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
@@ -37,7 +39,7 @@ _DEFAULTS: dict[str, Any] = dict(
     max_batch_size=4, max_seq_len=4096, temperature=1.0,
 )
 
-# Nested Hugging Face config.json names -> reference names (spec 1.2).
+# Nested Hugging Face config.json names -> reference names (docs/architecture.md, "Configuration").
 _HF_NAMES = {
     "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
     "kv_source_layer_ids": "kv_source_layers", "index_source_layer_ids": "index_source_layers",
@@ -76,7 +78,8 @@ def _check_keys(d: dict, known: set | frozenset, where: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Frozen model hyper-parameters in the reference's key names (spec 1.1).
+    """Frozen model hyper-parameters in the reference's key names (docs/architecture.md,
+    "Configuration").
 
     Build with :meth:`from_dict` / :meth:`from_json`; invalid values raise ``ValueError``.
     """
@@ -236,14 +239,15 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_entry(self) -> dict:
-        """Packed bytes of one global entry: main KV and indexer K (architecture 3)."""
+        """Packed bytes of one global entry: main KV and indexer K (docs/architecture.md,
+        "Bytes per token")."""
         k, j = self.head_dim, self.index_head_dim
         return {"main_kv": k // 2 + k // 16, "index_k": j // 2 + j // 32}
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerRole:
-    """What one backbone layer does (spec 1.3)."""
+    """What one backbone layer does (docs/architecture.md, "Layer schedule")."""
 
     layer: int
     mode: str            # "swa" | "full" | "reindex" | "reuse"
@@ -261,7 +265,8 @@ class LayerRole:
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-    """Per-layer roles of a config, and the CED split (spec 1.3, 3.14)."""
+    """Per-layer roles of a config, and the CED split (docs/architecture.md, "Layer schedule"
+    and "CED prefill and bounded replay")."""
 
     roles: tuple
     decoder_start: int   # first decoder layer (the ratio-1 KV source); n_layers if none
@@ -302,7 +307,8 @@ class LayerPlan:
 
 
 def yarn_correction_range(cfg: ModelConfig) -> tuple[int, int]:
-    """YaRN ``(low, high)`` pair indices for the compress RoPE table (spec 3.1)."""
+    """YaRN ``(low, high)`` pair indices for the compress RoPE table (docs/architecture.md,
+    "Rotary embedding")."""
     dim, base = cfg.rope_head_dim, cfg.compress_rope_theta
 
     def cd(rho):

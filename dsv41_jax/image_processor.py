@@ -1,6 +1,6 @@
 """Image preprocessing and prompt span expansion, as the reference ``image_processor.py``.
 
-Spec 8.1 and 8.4.
+See docs/architecture.md, "Image preprocessing" and "Image spans".
 
 Host-side numpy/Pillow code: an RGB image becomes a padded canvas whose sides are multiples of the
 patch size, its normalised bf16 pixels, the ViT patches and the token-type layout of its span in
@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from PIL import Image, ImageOps
 
-# Token types of an image span (spec 8.4); text positions carry TEXT.
+# Token types of an image span (docs/architecture.md, "Image spans"); text positions carry TEXT.
 TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3
 
 PAD_COLOR = (127, 127, 127)
@@ -59,7 +59,8 @@ def solve_resize_ratio(height: int, width: int, patch_size: int, downsample_rati
 
 
 def plan_canvas(width: int, height: int, cfg) -> tuple[int, int, bool]:
-    """``(best_w, best_h, stretch)`` for an image of ``width x height`` pixels (spec 8.1).
+    """``(best_w, best_h, stretch)`` for an image of ``width x height`` pixels
+    (docs/architecture.md, "Image preprocessing").
 
     ``stretch`` is True when ``vision_max_wh_ratio`` clamps the width: the reference then uses a
     plain resize instead of ``ImageOps.pad``. Raises ``ValueError`` if the span still exceeds
@@ -91,14 +92,15 @@ def plan_canvas(width: int, height: int, cfg) -> tuple[int, int, bool]:
 def span_token_types(n_llm_h: int, n_llm_w: int) -> np.ndarray:
     """int32 ``[n_llm_h*(n_llm_w+1)+2]``.
 
-    Layout ``[START] + ([IMAGE]*n_llm_w + [NEW_LINE])*n_llm_h + [END]`` (spec 8.4).
+    Layout ``[START] + ([IMAGE]*n_llm_w + [NEW_LINE])*n_llm_h + [END]`` (docs/architecture.md,
+    "Image spans").
     """
     types = [IMAGE_START] + ([IMAGE] * n_llm_w + [IMAGE_NEW_LINE]) * n_llm_h + [IMAGE_END]
     return np.asarray(types, dtype=np.int32)
 
 
 def preprocess_image(image: Image.Image, cfg) -> dict:
-    """The reference ``load_image`` for one image (spec 8.1).
+    """The reference ``load_image`` for one image (docs/architecture.md, "Image preprocessing").
 
     Returns a dict:
       ``padded_rgb`` uint8 ``[best_h, best_w, 3]`` (``ImageOps.pad``, bicubic, grey 127 borders),
@@ -134,7 +136,8 @@ def preprocess_image(image: Image.Image, cfg) -> dict:
 
 def expand_image_placeholders(token_ids: list[int], images: list[dict], cfg
                               ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
-    """Expand each ``cfg.image_token_id`` of a prompt into its image's span (spec 8.4).
+    """Expand each ``cfg.image_token_id`` of a prompt into its image's span (docs/architecture.md,
+    "Image spans").
 
     ``token_ids``: one prompt row; the k-th placeholder is ``images[k]`` (a
     :func:`preprocess_image` dict). Returns ``input_ids`` int32 ``[S]`` (every span position is

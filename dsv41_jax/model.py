@@ -1,4 +1,8 @@
-"""The DeepSeek-V4.1-Flash text model: blocks, forward, CED prefill and decode (spec 0, 3-6).
+"""The DeepSeek-V4.1-Flash text model: blocks, forward, CED prefill and decode.
+
+See docs/architecture.md, "Forward pass" and "CED prefill and bounded replay"; a block's
+sublayers are described under "Attention layer (CSA2)", "Mixture of experts",
+"mHC: hyper-connections" and "Engram".
 
 Entry points (pure; jit-compiled with the config static and the state donated):
 
@@ -54,7 +58,8 @@ class Static(NamedTuple):
 
 def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, state, bus, *,
           engram_ids=None, token_mask=None, image_mask=None, skip_kv_update=False, record=None):
-    """One backbone block with single-pass mHC wiring (spec 5); Engram first if present (6.5).
+    """One backbone block with single-pass mHC wiring; Engram first if present
+    (docs/architecture.md, "mHC: hyper-connections" and "Engram update").
 
     ``X`` bf16 [B, S, C, D]; ``pre_mix`` fp32 [B, S, C] from the previous block's FFN head.
     Returns ``(X, f_pre, state, bus)``.
@@ -194,7 +199,8 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
             "pre_mix": st.write_ring_values(ring["pre_mix"], pre_mix, p0, n)})
 
     if has_decoder and mode == "ced" and not decode:
-        # Decoder global KV for every position, from the encoder output (spec 3.14).
+        # Decoder global KV for every position, from the encoder output
+        # (docs/architecture.md, "CED prefill and bounded replay").
         role = plan[dec]
         lp = params["layers"][dec]
         x_dec = rms_norm(mhc.hc_pre(X, pre_mix), lp["attn_norm"]["weight"], cfg.norm_eps)
@@ -327,9 +333,11 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
       tokens: int [B, S] (right-padded); ``lengths`` int [B] valid tokens per row (default S).
       state: from :func:`dsv41_jax.state.init_state` or a previous call (it is donated).
       mode: ``"ced"`` (bounded replay of the decoder) or ``"exact"`` (all layers, all positions).
-      compat_stale_index_k: reproduce the reference's decode ``index_k`` quirk (spec 3.12).
+      compat_stale_index_k: reproduce the reference's decode ``index_k`` quirk
+        (docs/architecture.md, "Stale indexer K in decode (compatibility switch)").
       embeds_override, image_mask: bf16 [B, S, dim] rows replacing the token embeddings where
-        the bool [B, S] ``image_mask`` is set (image spans, spec 8.4); both or neither.
+        the bool [B, S] ``image_mask`` is set (docs/architecture.md, "Image spans"); both or
+        neither.
       batch_invariant: run the rows one at a time (``lax.map``) so each row's result is
         bitwise that of a batch of one (slower for large batches).
       attn_impl: kernel family (:data:`pallas_kernels.impls.FAMILIES`) for the sparse

@@ -1,11 +1,12 @@
 """FP8 / FP4 formats of the reference: quantise-dequantise (QDQ), pack and unpack.
 
-Every function here is bit-exact with the reference kernels (spec 2.5, 2.6): power-of-two
-scales are read from the exponent bits, e4m3 rounds to nearest even, e2m1 ties go to the even
-code. All QDQ results are exactly representable in bf16, so a packed cache that stores
-``(codes, scales)`` dequantises to the very bf16 values the reference keeps.
+Every function here is bit-exact with the reference kernels (docs/architecture.md,
+"Number formats"): power-of-two scales are read from the exponent bits, e4m3 rounds to nearest
+even, e2m1 ties go to the even code. All QDQ results are exactly representable in bf16, so a
+packed cache that stores ``(codes, scales)`` dequantises to the very bf16 values the reference
+keeps.
 
-Formats used by the model (spec 10.7):
+Formats used by the model (docs/architecture.md, "Number formats"):
   * FP8 activations / window KV: e4m3 codes, one E8M0 (power of two) scale per 32 values.
   * FP4 main KV: e2m1 codes (two per byte), one E4M3 scale per 16 values.
   * FP4 indexer q/k (MXFP4): e2m1 codes, one E8M0 scale per 32 values.
@@ -32,7 +33,8 @@ from pallas_kernels.fp4.reference import (_E2M1_BOUNDS, BF16, E2M1_LUT, E2M1_VAL
 def fp8_quantize(x: Float[ArrayLike, "... K"], block: int = 32) -> tuple[jax.Array, jax.Array]:
     """``act_quant``: e4m3 codes and E8M0 scale bytes, one scale per ``block`` values.
 
-    Returns ``(codes float8_e4m3fn [..., K], scale uint8 [..., K // block])``. Spec 2.6.
+    Returns ``(codes float8_e4m3fn [..., K], scale uint8 [..., K // block])``. See
+    docs/architecture.md, "Number formats".
     """
     xb = _blocks(jnp.asarray(x, F32), block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
@@ -50,7 +52,10 @@ def fp8_dequantize(codes: jax.Array, scale: UInt8[Array, "... G"], block: int = 
 
 
 def act_quant_qdq(x: Float[Array, "... K"], block: int = 32) -> Float[Array, "... K"]:
-    """FP8 QDQ of an activation (per-``block`` power-of-two scales); returns bf16. Spec 2.6."""
+    """FP8 QDQ of an activation (per-``block`` power-of-two scales); returns bf16.
+
+    See docs/architecture.md, "Number formats".
+    """
     q, s = fp8_quantize(x, block)
     return fp8_dequantize(q, s, block, BF16)
 
@@ -59,7 +64,10 @@ def act_quant_qdq(x: Float[Array, "... K"], block: int = 32) -> Float[Array, "..
 
 
 def fp4_qdq(x: Float[Array, "... K"], block: int, scale_fmt: str) -> Float[Array, "... K"]:
-    """FP4 QDQ; returns bf16 (the values the reference keeps in its caches). Spec 2.6."""
+    """FP4 QDQ; returns bf16 (the values the reference keeps in its caches).
+
+    See docs/architecture.md, "Number formats".
+    """
     codes, s = fp4_quantize(x, block, scale_fmt)
     return fp4_dequantize(codes, s, block, BF16)
 
@@ -71,7 +79,8 @@ def dequant_fp8_weight(w: jax.Array, scale: UInt8[Array, "Go Gi"], block: int = 
                        dtype=BF16) -> jax.Array:
     """FP8 weight ``[out, in]`` with one E8M0 scale per ``block x block`` tile -> ``dtype``.
 
-    Leading batch dimensions (stacked experts) are allowed. Spec 2.5.
+    Leading batch dimensions (stacked experts) are allowed. See docs/architecture.md,
+    "Number formats".
     """
     out_dim, in_dim = w.shape[-2:]
     s = e8m0_to_f32(scale)

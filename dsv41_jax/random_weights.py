@@ -246,7 +246,9 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
         if name.endswith(".weight") and f"{base}.scale" in exp:
             if name.endswith("engram.embed.weight"):
                 flat[name], flat[f"{base}.scale"] = gens["fp8_rows"](key(), shape[0], shape[1])
-            elif name.endswith("attn.wo_a.weight"):         # dequantised at load (spec 2.7)
+            elif name.endswith("attn.wo_a.weight"):
+                # dequantised at load (docs/architecture.md,
+                # "Checkpoint format and load-time conversions")
                 flat[name] = gens["fp8_block_dequant"](key(), shape[0], shape[1], 1.0)
             else:
                 gain = 2.5 if name.endswith("wo_b.weight") else 1.0

@@ -1,4 +1,7 @@
-"""Sampling (spec 2.3): greedy at temperature 0, else the Gumbel-max form of softmax sampling."""
+"""Sampling: greedy at temperature 0, else the Gumbel-max form of softmax sampling.
+
+See docs/architecture.md, "Norms, embedding and head".
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Inference state: explicit, fixed-capacity pytrees with real packed storage (architecture 3).
+"""Inference state: explicit, fixed-capacity pytrees with real packed storage
+(docs/architecture.md, "Inference state").
 
 ``init_state(cfg, batch, capacity)`` returns a dict pytree:
 

@@ -7,8 +7,8 @@ encoder mishandles runs of spaces, so it is not used). As in V4.1, id 129264 is 
 :func:`encode`; the tokenizer itself adds no special tokens.
 
 :func:`build_compressed_token_map` reproduces the reference's ``build_compressed_token_map``
-(spec 6.2): 129,280 ids collapse to 99,092 compressed ids. It takes about 0.4 s, so it is not
-cached; the caller keeps the result.
+(docs/architecture.md, "Compressed token map"): 129,280 ids collapse to 99,092 compressed ids.
+It takes about 0.4 s, so it is not cached; the caller keeps the result.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def decode(tok: tokenizers.Tokenizer, ids, skip_special_tokens: bool = False) ->
 
 
 def _engram_normalizer() -> nz.Normalizer:
-    """The reference's key normaliser (spec 6.2)."""
+    """The reference's key normaliser (docs/architecture.md, "Compressed token map")."""
     return nz.Sequence([
         nz.NFKC(), nz.NFD(), nz.StripAccents(), nz.Lowercase(),
         nz.Replace(Regex(r"[ \t\r\n]+"), " "),
@@ -86,7 +86,8 @@ def _engram_normalizer() -> nz.Normalizer:
 
 
 def build_compressed_token_map(tok: tokenizers.Tokenizer) -> np.ndarray:
-    """Engram compressed id of every token id: int32 ``[vocab]`` (spec 6.2).
+    """Engram compressed id of every token id: int32 ``[vocab]`` (docs/architecture.md,
+    "Compressed token map").
 
     For each id in order: ``text = decode([id])`` keeping special tokens; if it contains U+FFFD
     (a partial UTF-8 byte token) the key is the raw token string, otherwise the normalised text

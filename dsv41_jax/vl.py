@@ -1,9 +1,10 @@
 """Vision-language prompts: images -> span embeddings, image mask and padded prompt rows.
 
-Spec 8.4: each placeholder (``cfg.image_token_id``) expands into its image's span; every span
-position carries the placeholder id, its embedding is replaced (START/END/NEW_LINE learned
-vectors, IMAGE aligner rows), and ``image_mask`` (``token_types >= 0``) selects the MoE
-``bias_vl`` and marks the positions DEAD for Engram. Spans must lie in the first prefill chunk.
+Each placeholder (``cfg.image_token_id``) expands into its image's span (docs/architecture.md,
+"Image spans"); every span position carries the placeholder id, its embedding is replaced
+(START/END/NEW_LINE learned vectors, IMAGE aligner rows), and ``image_mask``
+(``token_types >= 0``) selects the MoE ``bias_vl`` and marks the positions DEAD for Engram. Spans
+must lie in the first prefill chunk.
 """
 
 from __future__ import annotations

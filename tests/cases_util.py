@@ -102,7 +102,7 @@ def layer0_input(params, cfg, tokens):
 
 def window_kv_codes(params, cfg, layer, x, positions, kind):
     """FP8 (codes, scale) of a layer's window KV for inputs ``x`` [B, S, D] at ``positions``
-    with the RoPE table ``kind`` (spec 3.3)."""
+    with the RoPE table ``kind`` (docs/architecture.md, "Window KV")."""
     a = params["layers"][layer]["attn"]
     kv = rms_norm(linear(x, a["wkv"]), a["kv_norm"]["weight"], cfg.norm_eps)
     cos, sin = rope_angles(jnp.asarray(positions), rope_frequencies(cfg, kind))
@@ -111,7 +111,8 @@ def window_kv_codes(params, cfg, layer, x, positions, kind):
 
 
 def np_pool_pairs(x, wkv, wgate):
-    """float64 gated per-channel softmax pool of token pairs (spec 3.4): x [S, D] -> [S//2, K]."""
+    """float64 gated per-channel softmax pool of token pairs (docs/architecture.md,
+    "Compressors"): x [S, D] -> [S//2, K]."""
     x = np.asarray(x, np.float64)
     kv = x @ np.asarray(wkv, np.float64).T
     sc = x @ np.asarray(wgate, np.float64).T
@@ -128,7 +129,8 @@ def np_rms_norm(x, w, eps):
 
 
 def np_candidate_pool(score, visible, n_blocks, block):
-    """Spec 3.7 in numpy for one query row: bool mask [T]."""
+    """The candidate pool (docs/architecture.md, "Candidate pool") in numpy for one query row:
+    bool mask [T]."""
     T = score.shape[0]
     nb = -(-T // block)
     sp = np.full(nb * block, -np.inf)
@@ -147,7 +149,7 @@ def np_candidate_pool(score, visible, n_blocks, block):
 
 def np_topk(score, k):
     """Top-k positions of one row, ties to the lower position, -inf/NaN unselectable, sorted
-    ascending, -1 padded (spec 3.6f)."""
+    ascending, -1 padded (docs/architecture.md, "Top-k selection")."""
     T = score.shape[0]
     ok = [t for t in range(T) if np.isfinite(score[t]) or score[t] == np.inf]
     ok.sort(key=lambda t: (-score[t], t))
@@ -157,7 +159,7 @@ def np_topk(score, k):
 
 
 def np_sinkhorn(m, scale, base, hc, iters, eps):
-    """hc_split_sinkhorn of spec 5 in float64."""
+    """hc_split_sinkhorn (docs/architecture.md, "mHC: hyper-connections") in float64."""
     m = np.asarray(m, np.float64)
     sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
     pre = sig(m[:hc] * scale[0] + base[:hc]) + eps

@@ -1,5 +1,6 @@
 """Release config, layer roles, config validation, the nested HF layout, and the FP8 / FP4
-quantisers (spec 1.1-1.3, 2.5, 2.6). Fast: no model is compiled."""
+quantisers (docs/architecture.md, "Configuration", "Layer schedule" and "Number formats").
+Fast: no model is compiled."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def flash_dict() -> dict:
 
 # ----------------------------------------------------------------------------- release config
 
-# Spec 1.2: the released inference/config.json, all 64 keys with their verbatim values.
+# The released inference/config.json, all 64 keys with their verbatim values
+# (docs/architecture.md, "Configuration").
 RELEASE = dict(
     vocab_size=129280, dim=5120, moe_inter_dim=2304, n_layers=40, n_mtp_layers=3,
     dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=[37, 38, 39],
@@ -58,21 +60,23 @@ def test_release_config_has_the_64_keys(flash_dict):
     assert len(flash_dict) == 64
     assert set(flash_dict) == set(RELEASE)
     for k, v in RELEASE.items():
-        assert flash_dict[k] == v, f"configs/flash.json {k} = {flash_dict[k]!r}, spec 1.2 {v!r}"
+        assert flash_dict[k] == v, f"configs/flash.json {k} = {flash_dict[k]!r}, release {v!r}"
     cfg = ModelConfig.from_json(FLASH_JSON)
     got = cfg.to_dict()
     for k, v in RELEASE.items():
         assert got[k] == v, f"ModelConfig.{k} = {got[k]!r}, expected {v!r}"
-    # the five keys absent from the file take the ModelArgs defaults (spec 1.2)
+    # the five keys absent from the file take the ModelArgs defaults
+    # (docs/architecture.md, "Configuration")
     assert (cfg.gate_temp, cfg.norm_topk_prob, cfg.temperature, cfg.max_batch_size,
             cfg.max_seq_len) == (1.0, True, 1.0, 4, 4096)
     assert len(cfg.compress_ratios) == 43 and cfg.n_all_layers == 43
 
 
 def test_release_layer_plan():
-    """Spec 1.3 table: SWA 0, 1; Full 2, 8, 14 (ratio 2) and 20 (ratio 1); Reindex 24, 28, 32,
-    36; everything else Reuse; candidates from 20 used by 24..36; decoder from 20; Engram 1, 14;
-    KV groups 2->2..7, 8->8..13, 14->14..19, 20->20..39 and the index groups."""
+    """The release layer table (docs/architecture.md, "Layer schedule"): SWA 0, 1; Full 2, 8, 14
+    (ratio 2) and 20 (ratio 1); Reindex 24, 28, 32, 36; everything else Reuse; candidates from 20
+    used by 24..36; decoder from 20; Engram 1, 14; KV groups 2->2..7, 8->8..13, 14->14..19,
+    20->20..39 and the index groups."""
     cfg = ModelConfig.from_json(FLASH_JSON)
     plan = LayerPlan.from_config(cfg)
     assert len(plan) == 40
@@ -188,7 +192,8 @@ _TO_HF = {
 
 
 def _hf_layout(flat: dict) -> dict:
-    """The release config in the nested Hugging Face layout (spec 1.2)."""
+    """The release config in the nested Hugging Face layout (docs/architecture.md,
+    "Configuration")."""
     text, vision = {}, {}
     rope_keys = ("rope_factor", "original_seq_len", "beta_fast", "beta_slow")
     for k, v in flat.items():
@@ -306,7 +311,7 @@ def test_pack_unpack_roundtrip():
     every_byte = np.arange(256, dtype=np.uint8).reshape(4, 64)
     np.testing.assert_array_equal(
         np.asarray(quant.pack_nibbles(quant.unpack_nibbles(jnp.asarray(every_byte)))), every_byte)
-    # element 2j in the low nibble, 2j+1 in the high one (spec 2.5)
+    # element 2j in the low nibble, 2j+1 in the high one (docs/architecture.md, "Number formats")
     assert int(quant.pack_nibbles(jnp.asarray(np.array([1, 2], np.uint8)))[0]) == 0x21
 
 
@@ -338,7 +343,8 @@ def test_fp8_qdq_idempotent():
 
 
 def _np_pow2_ceil_exp(t: np.ndarray) -> np.ndarray:
-    """Exponent of the smallest power of two >= t via the fp32 bits (spec 2.6)."""
+    """Exponent of the smallest power of two >= t via the fp32 bits (docs/architecture.md,
+    "Number formats")."""
     bits = np.asarray(t, np.float32).view(np.int32)
     return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)
 
@@ -346,7 +352,8 @@ def _np_pow2_ceil_exp(t: np.ndarray) -> np.ndarray:
 def test_fp8_exact_powers_of_two_not_bumped():
     """amax = 448 * 2^k gives amax * f32(1/448) == 2^k exactly in fp32, so the scale is 2^k
     (byte 127 + k) and the block's amax is reproduced exactly; one bf16 ulp more bumps it to
-    2^(k+1). The QDQ values of both kinds of block match the numpy reading of spec 2.6."""
+    2^(k+1). The QDQ values of both kinds of block match the numpy reading of
+    docs/architecture.md, "Number formats"."""
     ks = np.arange(-20, 8)
     assert np.all(np.float32(448.0) * np.exp2(ks).astype(np.float32) * np.float32(1 / 448)
                   == np.exp2(ks).astype(np.float32))
@@ -365,7 +372,8 @@ def test_fp8_exact_powers_of_two_not_bumped():
 
 
 def _np_act_quant_qdq(x: np.ndarray, block: int) -> np.ndarray:
-    """Spec 2.6 act_quant in numpy: floor 1e-4, pow2-ceil scale, e4m3 RNE of the clamp."""
+    """act_quant (docs/architecture.md, "Number formats") in numpy: floor 1e-4, pow2-ceil
+    scale, e4m3 RNE of the clamp."""
     xf = x.astype(np.float32).reshape(-1, block)
     amax = np.maximum(np.abs(xf).max(-1, keepdims=True), np.float32(1e-4))
     s = np.exp2(_np_pow2_ceil_exp(amax * np.float32(1 / 448))).astype(np.float32)
@@ -398,7 +406,7 @@ def _np_e2m1_round(v: np.ndarray) -> np.ndarray:
 
 
 def _np_fp4_qdq(x: np.ndarray, block: int, fmt: str) -> np.ndarray:
-    """Spec 2.6 fp4_act_quant + dequantisation in numpy."""
+    """fp4_act_quant + dequantisation (docs/architecture.md, "Number formats") in numpy."""
     xf = x.astype(np.float32).reshape(-1, block)
     amax = np.abs(xf).max(-1, keepdims=True)
     if fmt == "e4m3":
@@ -427,8 +435,9 @@ def _fp4_test_data(rng, block: int) -> np.ndarray:
 @pytest.mark.parametrize("block, fmt", [(16, "e4m3"), (32, "e8m0")])
 def test_fp4_qdq_matches_numpy_spec(block, fmt):
     """FP4 QDQ (the E4M3-scale main-KV path and the E8M0 MXFP4 path) bit for bit against an
-    independent numpy reading of spec 2.6 (nearest grid value by distance, ties to the even
-    code), on random data over many magnitudes plus blocks of exact ties."""
+    independent numpy reading of docs/architecture.md, "Number formats" (nearest grid value by
+    distance, ties to the even code), on random data over many magnitudes plus blocks of exact
+    ties."""
     rng = np.random.default_rng(3 if fmt == "e4m3" else 4)
     x = _fp4_test_data(rng, block)
     got = np.asarray(quant.fp4_qdq(jnp.asarray(x), block, fmt))

@@ -1,4 +1,5 @@
-"""Engram (spec 6) and the compressed token map against the tiny-engram reference fixtures.
+"""Engram and the compressed token map against the tiny-engram reference fixtures
+(docs/architecture.md, "Engram").
 
 Hash ids and histories are integer functions of the tokens and must match bit for bit; the
 teacher-forced Engram forward is compared per element (it comes out bit-exact).
@@ -144,7 +145,8 @@ def test_constants_release(cfg):
 
 
 def _np_hash(seq, positions, mults, primes, offsets, pad):
-    """Spec 6.4 in numpy int64 over a whole sequence. seq [B,T] (-1 DEAD), rows at positions."""
+    """The hash ids (docs/architecture.md, "Hash ids") in numpy int64 over a whole sequence.
+    seq [B,T] (-1 DEAD), rows at positions."""
     seq = np.asarray(seq, np.int64)
     n_layers, k_max = mults.shape
     b, s = positions.shape

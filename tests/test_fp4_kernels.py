@@ -1,4 +1,5 @@
-"""FP4 codec kernels (pallas_kernels.fp4) against the jnp reference, bit for bit (spec 2.6).
+"""FP4 codec kernels (pallas_kernels.fp4) against the jnp reference, bit for bit
+(docs/architecture.md, "Number formats").
 
 Both Pallas kernels run in interpret mode on CPU; on a GPU machine the compiled Triton kernels
 run as well. Every comparison is on the raw bytes.

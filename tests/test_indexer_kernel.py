@@ -1,5 +1,6 @@
-"""The indexer-scores kernel (pallas_kernels.indexer) against the spec's formula in float64,
-its dispatch and errors, and its GPU build lowered on CPU for an H200."""
+"""The indexer-scores kernel (pallas_kernels.indexer) against the formula of
+docs/architecture.md, "Indexer", in float64, its dispatch and errors, and its GPU build lowered
+on CPU for an H200."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def _spec_scores(q, w, codes, scale, visible) -> np.ndarray:
-    """Spec 3.6 in float64: bf16(q.k), bf16(relu(.) * w_h), bf16(sum over heads), -inf masked.
+    """The indexer scores (docs/architecture.md, "Indexer") in float64: bf16(q.k),
+    bf16(relu(.) * w_h), bf16(sum over heads), -inf masked.
     (Every sum is exact in float64 before its one rounding.)"""
     k = np.asarray(st.dequant_index_k(codes, scale), np.float64)
     dot = _bf16(np.einsum("bsij,btj->bsit", np.asarray(q, np.float64), k))
@@ -66,7 +68,7 @@ def test_kernel_matches_spec(B, S, I, J, T, tune):
     fin = np.isfinite(want)
     np.testing.assert_array_equal(np.isfinite(got), fin)
     assert (got[~fin] == -np.inf).all()
-    # only the fp32 order of the head sum and the dot differs from the spec's exact sums:
+    # only the fp32 order of the head sum and the dot differs from the formula's exact sums:
     # at most one bf16 rounding step, rarely
     d = np.abs(got[fin] - want[fin])
     assert (d <= 2.0 ** -7 * np.abs(want[fin])).all(), d.max()

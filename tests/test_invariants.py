@@ -1,4 +1,5 @@
-"""Invariants of the inference entry points (architecture 5) on the tiny-a weights.
+"""Invariants of the inference entry points on the tiny-a weights (docs/architecture.md,
+"Entry points and invariants").
 
 Compile budget (CPU, 12 layers, 10-50 s per compiled signature): every prefill call goes through
 one prompt bucket ``S = 19`` (right-padded, per-row ``lengths``) and one state capacity

@@ -1,4 +1,5 @@
-"""The Mosaic TPU sparse attention kernel (spec 3.8) in TPU interpret mode against the XLA op.
+"""The Mosaic TPU sparse attention kernel in TPU interpret mode against the XLA op
+(docs/architecture.md, "Joint sink softmax").
 
 Inputs are valid packed caches built with ``dsv41_jax.quant``; index lists mix valid rows, -1
 entries, repeated entries and one query row with no entry at all.

@@ -1,4 +1,5 @@
-"""CSA2 attention of one backbone layer (spec 3): SWA-only, Full, Reindex and Reuse modes.
+"""CSA2 attention of one backbone layer: SWA-only, Full, Reindex and Reuse modes
+(docs/architecture.md, "Attention layer (CSA2)").
 
 One joint softmax over the layer's sliding window and the selected global (compressed) entries,
 with an attention sink. The layer works on a *chunk*: S new positions ``p0 .. p0+S-1`` per row
@@ -38,7 +39,8 @@ class Chunk(NamedTuple):
     p0: Int[Array, "B"]
     n: Int[Array, "B"]
     win_lo: Int[Array, "B"]        # window entries below this position are unavailable
-    decode: bool                   # S == 1: list the window in ring order (spec 3.3)
+    # S == 1: list the window in ring order (docs/architecture.md, "Window KV")
+    decode: bool
     compat_stale_index_k: jax.Array  # bool scalar (traced): the reference's decode index_k quirk
     freqs: dict                    # RoPE frequencies per table kind (numpy fp32)
     attn_impl: str = "xla"         # sparse attention kernel family (pallas_kernels.impls)
@@ -53,7 +55,8 @@ class Chunk(NamedTuple):
 def sparse_attention_reference(q: Float[Array, "B S H K"], kv: Float[Array, "B S N K"],
                                valid: Bool[Array, "B S N"], sink: Float[Array, "H"],
                                scale: float) -> Float[Array, "B S H K"]:
-    """Joint sink-softmax over a per-query list of gathered KV rows (K = V). Spec 3.8.
+    """Joint sink-softmax over a per-query list of gathered KV rows (K = V)
+    (docs/architecture.md, "Joint sink softmax").
 
     Emulates the reference kernel: online softmax over blocks of 64 list entries in list order,
     running max from -1e30, bf16 probabilities in the PV product (fp32 ones in the
@@ -71,8 +74,9 @@ def window_list(ch: Chunk, W: int) -> tuple[Int[Array, "B S W"], Bool[Array, "B 
 
     Query p sees positions ``max(lo, p-W+1) .. p``. Prefill lists them ascending with the empty
     entries last; decode lists the W ring slots oldest first (empty ones first), as the
-    reference does (spec 3.3). A prefill list is ``ch.win_width`` wide when set (the reference's
-    ``min(S, W)`` on a fresh prefill, which places the global entries' 64-blocks as it does).
+    reference does (docs/architecture.md, "Window KV"). A prefill list is ``ch.win_width`` wide
+    when set (the reference's ``min(S, W)`` on a fresh prefill, which places the global entries'
+    64-blocks as it does).
     """
     p = ch.positions[..., None]                                   # [B,S,1]
     j = jnp.arange(W, dtype=jnp.int32)[None, None, :]
@@ -96,13 +100,15 @@ def window_list(ch: Chunk, W: int) -> tuple[Int[Array, "B S W"], Bool[Array, "B 
 
 
 def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk, src: dict):
-    """Compress the chunk, derive indexer K, RoPE + FP4-pack both and append them (spec 3.5)."""
+    """Compress the chunk, derive indexer K, RoPE + FP4-pack both and append them
+    (docs/architecture.md, "KV sources")."""
     r = role.ratio
     tail = {k: src[k] for k in ("tail_kv", "tail_score")} if r > 1 else None
     lat, ids, valid, new_tail = compressor.compress(x, p["compressor"], r, ch.p0, ch.n, tail,
                                                     cfg.norm_eps)
     cos, sin = rope_angles(ids * r, ch.freqs[role.rope])
-    # indexer keys come from the un-rotated, un-quantised latent (spec 3.6a)
+    # indexer keys come from the un-rotated, un-quantised latent
+    # (docs/architecture.md, "KV sources")
     ik = rms_norm(linear(lat, p["indexer"]["wk"]), p["indexer"]["k_norm"]["weight"], cfg.norm_eps)
     ik = apply_rope(ik, cos, sin)
     codec = ch.attn_impl    # the FP4 quantise-and-pack kernels of the same family
@@ -133,16 +139,17 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
       skip_kv_update: a KV source whose entries were already appended (CED bounded replay).
       record: if a dict, intermediates (top-k rows, scores, candidates) are stored in it.
 
-    Returns ``(out bf16 [B, S, D], state, bus)``. Spec 3.2-3.9.
+    Returns ``(out bf16 [B, S, D], state, bus)``. See docs/architecture.md,
+    "Attention layer (CSA2)" and its sections.
     """
     B, S, _ = x.shape
     H, K, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     cos, sin = rope_angles(ch.positions, ch.freqs[role.rope])
-    # query path (3.2)
+    # query path (docs/architecture.md, "Queries")
     qr = rms_norm(linear(x, p["wq_a"]), p["q_norm"]["weight"], cfg.norm_eps)
     q = linear(qr, p["wq_b"]).reshape(B, S, H, K)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    # window KV (3.3): RMSNorm, RoPE, FP8 QDQ
+    # window KV (docs/architecture.md, "Window KV"): RMSNorm, RoPE, FP8 QDQ
     kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"]["weight"], cfg.norm_eps)
     kv = apply_rope(kv, cos, sin)
     kv_codes, kv_scale = quant.fp8_quantize(kv, 32)
@@ -183,7 +190,7 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
             None if src is None else src["main"], None if src is None else src["main_scale"],
             None if src is None else jnp.where(qv, topk, -1),
             p["attn_sink"].astype(F32), scale=K ** -0.5, impl=ch.attn_impl)
-    # output (3.9): inverse RoPE, grouped wo_a, wo_b
+    # output (docs/architecture.md, "Output projection"): inverse RoPE, grouped wo_a, wo_b
     o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
     G = cfg.o_groups
     wo_a = dequant_weight(p["wo_a"], BF16).reshape(G, cfg.o_lora_rank, -1)
@@ -196,14 +203,17 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
 
 
 def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, state, bus, cos, sin, record):
-    """Index source: scores over the shared indexer K, candidate pool, top-k (spec 3.6, 3.7)."""
+    """Index source: scores over the shared indexer K, candidate pool, top-k
+    (docs/architecture.md, "Indexer" and "Candidate pool")."""
     r = role.ratio
     src = state["kv"][f"L{role.kv_layer}"]
     codes, scale = src["index"], src["index_scale"]
     visible = (ch.positions + 1) // r
     if ch.decode and role.owns_kv and r > 1:
-        # Reference decode quirk (spec 3.12): on even positions no latent is produced, so the
-        # module-global index_k still holds the ratio-1 source's cache of the previous forward.
+        # Reference decode quirk (docs/architecture.md,
+        # "Stale indexer K in decode (compatibility switch)"): on even positions no latent is
+        # produced, so the module-global index_k still holds the ratio-1 source's cache of the
+        # previous forward.
         stale = [k for k, v in state["kv"].items() if "tail_kv" not in v]
         if stale:
             s1 = state["kv"][stale[0]]

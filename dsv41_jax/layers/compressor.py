@@ -1,9 +1,10 @@
 """Compressor of a KV source: pooled latents (ratio 2, with a tail) or per-token latents (ratio 1).
 
-Spec 3.4. Ratio 2 runs in fp32 with fp32 weights: a per-channel softmax over the 2 tokens of a
-group (tokens {2j, 2j+1}), then a bf16 cast and the RMSNorm. An unfinished pair waits in the
-compressor tail (fp32 kv and score) until its second token arrives, possibly in a later chunk.
-Ratio 1 is a bf16 GEMM with no gate. Latents are returned pre-RoPE and pre-quantisation.
+See docs/architecture.md, "Compressors". Ratio 2 runs in fp32 with fp32 weights: a per-channel
+softmax over the 2 tokens of a group (tokens {2j, 2j+1}), then a bf16 cast and the RMSNorm. An
+unfinished pair waits in the compressor tail (fp32 kv and score) until its second token arrives,
+possibly in a later chunk. Ratio 1 is a bf16 GEMM with no gate. Latents are returned pre-RoPE and
+pre-quantisation.
 """
 
 from __future__ import annotations

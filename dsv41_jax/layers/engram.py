@@ -1,16 +1,17 @@
-"""Engram: conditional n-gram memory (spec 6).
+"""Engram: conditional n-gram memory (docs/architecture.md, "Engram").
 
 Three parts, all pure functions:
 
 * :func:`engram_constants` (host, numpy): per-layer primes, column offsets and hash multipliers
-  (spec 6.1, 6.3), plus their 32-bit device forms.
+  (docs/architecture.md, "Hash ids"), plus their 32-bit device forms.
 * :func:`engram_hash_ids` (JAX, 32-bit only): table row ids of every (position, layer, column)
-  from compressed token ids and a short history (spec 6.4). The reference hashes in int64;
-  here 64-bit products and XORs are emulated with eight 8-bit limbs held in uint32, then reduced
-  modulo the (< 2**24) prime by Horner's rule from the top limb, so no x64 mode is needed.
+  from compressed token ids and a short history (docs/architecture.md, "Hash ids"). The
+  reference hashes in int64; here 64-bit products and XORs are emulated with eight 8-bit limbs
+  held in uint32, then reduced modulo the (< 2**24) prime by Horner's rule from the top limb, so
+  no x64 mode is needed.
   :func:`engram_update_history` keeps the last ``max_ngram - 1`` compressed ids per row.
 * :func:`engram_forward` (JAX): table lookup, ``wkv`` projection and the gated update of the
-  hc streams (spec 6.5).
+  hc streams (docs/architecture.md, "Engram update").
 
 Letters: B batch, S positions, C hc streams, D model dim, N Engram layers, G hash columns
 (``(max_ngram - 1) * n_heads``), K look-back slots (``max_ngram``), P history length (K - 1),
@@ -63,7 +64,7 @@ def _next_prime(after: int) -> int:
 
 
 def engram_constants(cfg, token_map: np.ndarray | None = None) -> dict:
-    """Host-side Engram hash constants (spec 6.1, 6.3).
+    """Host-side Engram hash constants (docs/architecture.md, "Hash ids").
 
     Args:
       cfg: ``ModelConfig`` (``engram_layer_ids``, ``engram_vocab_size``,
@@ -187,7 +188,8 @@ def _mod_limbs(limbs: jax.Array, prime: jax.Array) -> jax.Array:
 
 def engram_hash_ids(cids: Int[Array, "B S"], history: Int[Array, "B P"],
                     positions: Int[Array, "B S"], consts: dict) -> Int[Array, "B S N G"]:
-    """Engram table row ids (offsets included) of every position, layer and column (spec 6.4).
+    """Engram table row ids (offsets included) of every position, layer and column
+    (docs/architecture.md, "Hash ids").
 
     Args:
       cids: int32 ``[B, S]`` compressed ids of this chunk's tokens, ``-1`` (DEAD) for image
@@ -236,7 +238,8 @@ def engram_hash_ids(cids: Int[Array, "B S"], history: Int[Array, "B P"],
 
 def engram_update_history(history: Int[Array, "B P"], cids: Int[Array, "B S"],
                           n_valid: Int[Array, "B"]) -> Int[Array, "B P"]:
-    """Append the first ``n_valid[b]`` ids of the chunk to each row's history (spec 6.4).
+    """Append the first ``n_valid[b]`` ids of the chunk to each row's history
+    (docs/architecture.md, "Hash ids").
 
     ``history`` int32 ``[B, K-1]`` (oldest first), ``cids`` int32 ``[B, S]``, ``n_valid`` int
     ``[B]`` in ``0..S``. Returns the ids of the last ``K-1`` positions after the valid part of
@@ -258,7 +261,8 @@ def engram_init_history(batch: int, max_ngram: int) -> Int[Array, "B P"]:
 
 def engram_forward(p: dict, x: Float[Array, "B S C D"], ids: Int[Array, "B S G"],
                    token_mask: Bool[Array, "B S"] | None, cfg) -> Float[Array, "B S C D"]:
-    """One Engram layer on the hc streams, run before its block (spec 6.5).
+    """One Engram layer on the hc streams, run before its block (docs/architecture.md,
+    "Engram update").
 
     Args:
       p: ``{"embed": {"weight": float8_e4m3fn [rows, E], "scale": uint8 [rows, E/32]},

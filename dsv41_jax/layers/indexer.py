@@ -1,7 +1,7 @@
 """Lightning indexer: bf16 scores over the FP4 indexer K, top-k, and the candidate pool.
 
-Spec 3.6, 3.7. Scores follow the reference's bf16 roundings:
-``dot = bf16(q_i . k)``, ``score = bf16(sum_h bf16(relu(dot) * w_h))`` with ``w`` from
+See docs/architecture.md, "Indexer" and "Candidate pool". Scores follow the reference's bf16
+roundings: ``dot = bf16(q_i . k)``, ``score = bf16(sum_h bf16(relu(dot) * w_h))`` with ``w`` from
 ``weights_proj(x)`` scaled by ``(J*I)^-1/2``. A query at position p sees entry t iff
 ``t < (p+1) // ratio``. The top-k is re-sorted ascending by position; unreachable picks are -1.
 """
@@ -38,7 +38,8 @@ def index_queries(x: Float[Array, "B S D"], qr: Float[Array, "B S Q"], p: dict, 
 def candidate_pool(score: Float[Array, "B S T"], visible: Int[Array, "B S"], n_blocks: int,
                    block: int, select=None
                    ) -> tuple[Bool[Array, "B S T"], Float[Array, "B S NB"]]:
-    """Block-max candidate pool (spec 3.7): ``(mask [B,S,T], block scores [B,S,NB])``.
+    """Block-max candidate pool (docs/architecture.md, "Candidate pool"):
+    ``(mask [B,S,T], block scores [B,S,NB])``.
 
     Block score = max over its positions (-inf padded); the block of the newest visible position
     is pinned with +inf; the top ``n_blocks`` blocks are kept unless their score is -inf.

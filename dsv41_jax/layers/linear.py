@@ -1,7 +1,7 @@
 """Linear layers with the reference's dtype dispatch, and the LLM RMSNorm.
 
 A linear parameter is a dict ``{"weight": [out, in], "scale": ...}`` kept in its stored format
-and dequantised on use (spec 2.4):
+and dequantised on use (docs/architecture.md, "Quantised linears"):
 
 * ``float8_e4m3fn`` weight + E8M0 ``scale [ceil(out/32), ceil(in/32)]``: the input is FP8
   act-quantised per 32 channels, then a block-scaled GEMM with fp32 accumulation, bf16 out.
@@ -41,7 +41,8 @@ def is_quantized(p: dict) -> bool:
 
 
 def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
-    """``y = x @ W.T`` with the reference's numerics for the weight's stored dtype (spec 2.4).
+    """``y = x @ W.T`` with the reference's numerics for the weight's stored dtype
+    (docs/architecture.md, "Quantised linears").
 
     Returns bf16, except for an fp32 weight, which returns fp32.
     """
@@ -57,7 +58,8 @@ def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
 
 
 def rms_norm(x: Float[Array, "... D"], w: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
-    """LLM RMSNorm: ``bf16(w * (x * rsqrt(mean(x^2) + eps)))`` in fp32 (spec 2.2)."""
+    """LLM RMSNorm: ``bf16(w * (x * rsqrt(mean(x^2) + eps)))`` in fp32 (docs/architecture.md,
+    "Norms, embedding and head")."""
     xf = x.astype(F32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (w.astype(F32) * y).astype(x.dtype)

@@ -1,4 +1,5 @@
-"""mHC: four residual streams mixed by Sinkhorn-normalised coefficients (spec 5).
+"""mHC: four residual streams mixed by Sinkhorn-normalised coefficients
+(docs/architecture.md, "mHC: hyper-connections").
 
 Single-pass wiring: each sublayer collapses the streams with the ``pre`` coefficients predicted
 one sublayer earlier; its own head predicts ``post``/``comb`` for itself and ``pre`` for the next.
@@ -18,7 +19,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def sinkhorn_split(mixes: Float[Array, "... M"], scale: Float[Array, "3"], base: Float[Array, "M"],
                    hc: int, iters: int, eps: float):
     """``hc_split_sinkhorn``: mixes ``[..., (2+hc)*hc]`` -> pre ``[...,hc]``, post ``[...,hc]``,
-    comb ``[..., hc, hc]`` (row i = source stream, column j = output stream). fp32. Spec 5.
+    comb ``[..., hc, hc]`` (row i = source stream, column j = output stream). fp32. See
+    docs/architecture.md, "mHC: hyper-connections".
 
     Row softmax (+eps), a column normalisation, then ``iters - 1`` (row, column) pairs.
     """
@@ -37,7 +39,10 @@ def sinkhorn_split(mixes: Float[Array, "... M"], scale: Float[Array, "3"], base:
 
 def hc_mixes(x: Float[Array, "B S C D"], fn: Float[Array, "M CD"], scale, base, *, hc: int,
              iters: int, hc_eps: float, norm_eps: float):
-    """Coefficient head of one sublayer: ``(pre, post, comb)`` from the stream state. Spec 5."""
+    """Coefficient head of one sublayer: ``(pre, post, comb)`` from the stream state.
+
+    See docs/architecture.md, "mHC: hyper-connections".
+    """
     xf = x.astype(F32).reshape(*x.shape[:-2], -1)
     mixes = jnp.einsum("...k,mk->...m", xf, fn, precision=HIGHEST, preferred_element_type=F32)
     mixes = mixes * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
@@ -46,13 +51,19 @@ def hc_mixes(x: Float[Array, "B S C D"], fn: Float[Array, "M CD"], scale, base, 
 
 def hc_pre(x: Float[Array, "*batch C D"], pre: Float[Array, "*batch C"]
            ) -> Float[Array, "*batch D"]:
-    """Collapse the streams: ``bf16(sum_j pre[j] * x[j])``. Spec 5."""
+    """Collapse the streams: ``bf16(sum_j pre[j] * x[j])``.
+
+    See docs/architecture.md, "mHC: hyper-connections".
+    """
     return jnp.sum(pre[..., None] * x.astype(F32), axis=-2).astype(BF16)
 
 
 def hc_post(y: Float[Array, "B S D"], res: Float[Array, "B S C D"], post: Float[Array, "B S C"],
             comb: Float[Array, "B S C C"]) -> Float[Array, "B S C D"]:
-    """New streams: ``bf16(post[j] * y + sum_i comb[i, j] * res[i])``. Spec 5."""
+    """New streams: ``bf16(post[j] * y + sum_i comb[i, j] * res[i])``.
+
+    See docs/architecture.md, "mHC: hyper-connections".
+    """
     mixed = jnp.sum(comb[..., None] * res.astype(F32)[..., :, None, :], axis=-3)
     return (post[..., None] * y.astype(F32)[..., None, :] + mixed).astype(BF16)
 

@@ -1,4 +1,5 @@
-"""Mixture of experts: sqrt-softplus gate with a selection-only bias, SwiGLU experts (spec 4).
+"""Mixture of experts: sqrt-softplus gate with a selection-only bias, SwiGLU experts
+(docs/architecture.md, "Mixture of experts").
 
 Routed experts are stacked along a leading expert axis ``E`` (packed FP4 or bf16); the shared
 expert is a plain (fp8 or bf16) SwiGLU. The combination follows the reference exactly: expert
@@ -31,7 +32,8 @@ def gate(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arr
 
     ``logits = f32(x) @ f32(W)^T / gate_temp``; ``s = sqrt(softplus(logits))``; the bias (or
     ``bias_vl`` for image-span tokens) only selects; weights are the unbiased scores,
-    renormalised with +1e-20 and multiplied by ``route_scale``. Spec 4.
+    renormalised with +1e-20 and multiplied by ``route_scale``. See docs/architecture.md,
+    "Mixture of experts".
     """
     logits = jnp.einsum("nd,ed->ne", x.astype(F32), p["weight"].astype(F32), precision=HIGHEST,
                         preferred_element_type=F32) / cfg.gate_temp
@@ -55,7 +57,8 @@ def expert(x: Float[Array, "N D"], p: dict, limit: float,
            route_w: Float[Array, "N"] | None = None) -> Float[Array, "N D"]:
     """SwiGLU expert with the reference clamps; the routing weight multiplies before ``w2``.
 
-    ``up`` is clamped to [-limit, limit], the gate branch from above only (spec 4, B15).
+    ``up`` is clamped to [-limit, limit], the gate branch from above only
+    (docs/architecture.md, "Mixture of experts"; B15).
     """
     g = linear(x, p["w1"]).astype(F32)
     up = linear(x, p["w3"]).astype(F32)
@@ -74,7 +77,8 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
 
     Routed experts run densely over the stacked expert axis (a ``lax.scan`` in increasing
     expert id, non-routed tokens carry weight 0 and contribute an exact 0), which reproduces the
-    reference's fp32 accumulation order bit for bit. Spec 4.
+    reference's fp32 accumulation order bit for bit. See docs/architecture.md,
+    "Mixture of experts".
     """
     k = n_active or cfg.n_activated_experts
     idx, w = gate(x, p["gate"], cfg, image_mask, k)

@@ -1,4 +1,5 @@
-"""Partial, interleaved rotary embedding with per-layer YaRN (spec 3.1, 10.1-10.4).
+"""Partial, interleaved rotary embedding with per-layer YaRN (docs/architecture.md,
+"Rotary embedding" and "Output projection").
 
 A layer's table is "base" (``rope_theta``, no YaRN: SWA-only layers and DSpark stages) or
 "compress" (``compress_rope_theta`` with YaRN when ``original_seq_len > 0``: every layer that
@@ -49,8 +50,8 @@ def apply_rope(x: Float[Array, "... K"], cos: Float[Array, "... R2"], sin: Float
     """Rotate the last ``2 * cos.shape[-1]`` channels of ``x`` (interleaved pairs), fp32 math.
 
     ``cos``/``sin`` broadcast against ``x[..., 0]`` (e.g. ``[B, S, 1, R/2]`` for ``[B,S,H,K]``).
-    ``inverse=True`` multiplies by the conjugate (the output de-rotation, spec 3.9).
-    Returns ``x.dtype``.
+    ``inverse=True`` multiplies by the conjugate (the output de-rotation; docs/architecture.md,
+    "Output projection"). Returns ``x.dtype``.
     """
     r = 2 * cos.shape[-1]
     head, tail = x[..., :-r], x[..., -r:]

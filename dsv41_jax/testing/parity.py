@@ -655,7 +655,7 @@ def _bitwise_equal(a, b) -> bool:
 def stale_index_k_state(cfg: ModelConfig, state: dict) -> dict:
     """``state`` with the index K (codes and scales) of every ratio-2 KV source replaced by
     the first ratio-1 source's rows: what the reference's ratio-2 indexers read on an even
-    decode position (docs/architecture.md, the compat switch)."""
+    decode position (docs/architecture.md, "Stale indexer K in decode (compatibility switch)")."""
     plan = LayerPlan.from_config(cfg)
     r1 = [L for L in plan.kv_sources if cfg.compress_ratios[L] == 1]
     if not r1:

@@ -1,4 +1,5 @@
-"""Elementwise FP4 codec arithmetic shared by the Triton and Mosaic TPU kernels (spec 2.6).
+"""Elementwise FP4 codec arithmetic shared by the Triton and Mosaic TPU kernels
+(docs/architecture.md, "Number formats").
 
 Everything here is plain ``jax.numpy`` on int32 / fp32 arrays, built only from operations that
 both Pallas lowerings support and that are exact on any IEEE-754 hardware: bitcasts between int32

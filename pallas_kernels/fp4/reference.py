@@ -126,7 +126,8 @@ def fp4_dequantize(codes: jax.Array, scale: jax.Array, block: int, dtype=BF16) -
 
 
 def pack_nibbles(codes: UInt8[Array, "... K"]) -> UInt8[Array, "... K2"]:
-    """Two e2m1 codes per byte: element 2j in the low nibble, 2j+1 in the high (spec 2.5)."""
+    """Two e2m1 codes per byte: element 2j in the low nibble, 2j+1 in the high
+    (docs/architecture.md, "Number formats")."""
     c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return c[..., 0] | (c[..., 1] << 4)
 

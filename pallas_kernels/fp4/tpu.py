@@ -1,4 +1,5 @@
-"""Pallas Mosaic TPU kernels of the FP4 codec (spec 2.6); see :mod:`pallas_kernels.fp4`.
+"""Pallas Mosaic TPU kernels of the FP4 codec (docs/architecture.md, "Number formats"); see
+:mod:`pallas_kernels.fp4`.
 
 The TPU keeps vectors in (8 sublane x 128 lane) tiles of 32-bit elements and has no cheap
 strided lane access, so the layout avoids both lane-strided loads and lane-changing reshapes:

@@ -1,4 +1,5 @@
-"""Pallas Triton (NVIDIA GPU) kernels of the FP4 codec (spec 2.6); see :mod:`pallas_kernels.fp4`.
+"""Pallas Triton (NVIDIA GPU) kernels of the FP4 codec (docs/architecture.md, "Number formats");
+see :mod:`pallas_kernels.fp4`.
 
 Layout: the wrapper flattens the leading dims into N rows and bitcasts each row of K bf16 values
 to W = K/2 int32 words (a free bitcast: word j holds x[2j] in its low half, x[2j+1] in its high

@@ -29,7 +29,8 @@ def dequant_index_k(codes: UInt8[Array, "B T J2"], scale: UInt8[Array, "B T G"]
 
 def index_scores(q: Float[Array, "B S I J"], w: Float[Array, "B S I"], k: Float[Array, "B T J"],
                  visible: Int[Array, "B S"]) -> Float[Array, "B S T"]:
-    """bf16-rounded scores; entries ``t >= visible[b, s]`` are -inf (causal mask, spec 3.6d)."""
+    """bf16-rounded scores; entries ``t >= visible[b, s]`` are -inf (the causal mask;
+    docs/architecture.md, "Indexer")."""
     dot = jnp.einsum("bsij,btj->bsit", q, k, preferred_element_type=F32).astype(BF16)
     prod = (jnp.maximum(dot, 0).astype(F32) * w.astype(F32)[..., None]).astype(BF16)
     score = jnp.sum(prod.astype(F32), axis=2).astype(BF16).astype(F32)
@@ -38,7 +39,8 @@ def index_scores(q: Float[Array, "B S I J"], w: Float[Array, "B S I"], k: Float[
 
 
 def select_topk(score: Float[Array, "B S T"], k: int) -> Int[Array, "B S k"]:
-    """Top-``k`` positions, re-sorted ascending, -inf picks -> -1 (at the end). Spec 3.6f.
+    """Top-``k`` positions, re-sorted ascending, -inf picks -> -1 (at the end). See
+    docs/architecture.md, "Top-k selection".
 
     Ties go to the lower position (the reference's choice is implementation-defined).
     """

@@ -1,4 +1,5 @@
-"""Pallas Triton kernel of the indexer's top-k selection (NVIDIA GPUs; spec 3.6f).
+"""Pallas Triton kernel of the indexer's top-k selection (NVIDIA GPUs; docs/architecture.md,
+"Top-k selection").
 
 One program per query row: the ``k`` largest of the row's ``T`` scores, as positions in
 ascending order, ``-1`` after the last pick. The result is the same, bit for bit, as
@@ -171,7 +172,7 @@ def select_topk(score: Float[Array, "B S T"], k: int, *, interpret: bool = False
                 ) -> Int[Array, "B S k"]:
     """Top-``k`` positions of each row of ``score`` (fp32 [B, S, T], bf16-representable values,
     ``-inf`` / NaN allowed), ascending, ``-1`` after the last pick: int32 [B, S, min(k, T)].
-    Bit for bit :func:`.reference.select_topk_radix` (spec 3.6f).
+    Bit for bit :func:`.reference.select_topk_radix` (docs/architecture.md, "Top-k selection").
 
     Rows longer than ``segment`` scores (a power of two; default :func:`default_segment`;
     :data:`MAX_TILE`: one stage) with ``2 k <= segment`` are selected in stages: each

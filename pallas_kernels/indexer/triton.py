@@ -1,5 +1,5 @@
 """Pallas Triton kernel of the lightning indexer's scores over the packed FP4 indexer K
-(NVIDIA GPUs; spec 3.6).
+(NVIDIA GPUs; docs/architecture.md, "Indexer").
 
 One program per (query row r = b*S + s, block of ``block_t`` indexer-K entries). The entries'
 packed MXFP4 rows are read straight from the state (e2m1 nibbles as int32 words, E8M0 scale

@@ -1,6 +1,6 @@
 """Warp-specialised Pallas Mosaic GPU (Hopper) kernel of the CSA2 sparse attention over bf16
-rows (spec 3.8): the dequantised rows' design of :mod:`.triton_dense` with the warp groups the
-Triton kernel cannot own.
+rows (docs/architecture.md, "Joint sink softmax"): the dequantised rows' design of
+:mod:`.triton_dense` with the warp groups the Triton kernel cannot own.
 
 One CTA per query row ``(b, s)`` with all 64 heads (they share the row's list: MQA) and three
 warp groups (``num_threads=3``, ``thread_name="wg"``):
@@ -761,8 +761,8 @@ def sparse_attention_rows(q: Float[Array, "B S 64 512"], kv: Float[Array, "B N 5
                           rows: Int[Array, "B S L"], sink: Float[Array, "64"], scale: float, *,
                           interpret: bool = False, softmax: str = "exp2", n_splits: int = 1
                           ) -> tuple[Float[Array, "B S 64 512"], Float[Array, "B S 64"]]:
-    """The joint sink softmax of each query over its listed bf16 rows (spec 3.8), by the
-    warp-specialised kernel.
+    """The joint sink softmax of each query over its listed bf16 rows (docs/architecture.md,
+    "Joint sink softmax"), by the warp-specialised kernel.
 
     Args:
       q: bf16 [B, S, 64, 512] queries.

@@ -1,4 +1,5 @@
-"""Pure-jnp reference of the CSA2 sparse attention op (spec 3.8); also the XLA implementation.
+"""Pure-jnp reference of the CSA2 sparse attention op (docs/architecture.md, "Joint sink softmax");
+also the XLA implementation.
 
 The op attends each query ``q[b, s, h]`` over one joint list of KV rows (K = V, MQA: the heads
 of a query share its list):
@@ -38,7 +39,8 @@ __all__ = ["E2M1_LUT", "SOFTMAX_BLOCK", "blocked_sink_softmax", "dequant_main", 
 def blocked_sink_softmax(q: Float[Array, "B S H K"], kv: Float[Array, "B S N K"],
                          valid: Bool[Array, "B S N"], sink: Float[Array, "H"], scale: float
                          ) -> tuple[Float[Array, "B S H K"], Float[Array, "B S H"]]:
-    """Joint sink softmax over per-query gathered rows ``kv`` (bf16, K = V). Spec 3.8.
+    """Joint sink softmax over per-query gathered rows ``kv`` (bf16, K = V). See
+    docs/architecture.md, "Joint sink softmax".
 
     Emulates the reference kernel's 64-entry online-softmax blocks in list order (see the module
     docstring). Returns ``(o bf16 [B,S,H,K], lse fp32 [B,S,H])``.

@@ -1,4 +1,5 @@
-"""Pallas Mosaic TPU kernel of the CSA2 sparse attention op (spec 3.8).
+"""Pallas Mosaic TPU kernel of the CSA2 sparse attention op (docs/architecture.md,
+"Joint sink softmax").
 
 Semantics of :func:`.reference.sparse_attention_xla` (see its module docstring), except for the
 block boundaries when the window list is not a multiple of 64 long: per query row ``(b, s)``
@@ -58,7 +59,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.sparse_attention.common import BF16, F32, I32, SOFTMAX_BLOCK, pad_list
-NEG_INIT = -1e30        # running-max start value (spec 3.8)
+NEG_INIT = -1e30        # running-max start value (docs/architecture.md, "Joint sink softmax")
 PLANES = 8              # e2m1 nibbles per 32-bit word
 SMEM_LIST_WORDS = 1 << 15  # index-list entries prefetched to SMEM per pallas_call (128 KiB)
 
@@ -335,7 +336,8 @@ def sparse_attention(q: Float[Array, "B S H K"], win_kv, win_scale, win_idx: Int
                      sink: Float[Array, "H"], scale: float, *, interpret=False,
                      block_h: int | None = None, **unused
                      ) -> tuple[Float[Array, "B S H K"], Float[Array, "B S H"]]:
-    """The CSA2 sparse attention op as a Pallas Mosaic TPU kernel (spec 3.8).
+    """The CSA2 sparse attention op as a Pallas Mosaic TPU kernel (docs/architecture.md,
+    "Joint sink softmax").
 
     Args (layout and semantics as :func:`pallas_kernels.sparse_attention.sparse_attention`,
     already checked there):

@@ -1,4 +1,5 @@
-"""Pallas Triton kernel of the CSA2 sparse attention (NVIDIA GPUs; spec 3.8).
+"""Pallas Triton kernel of the CSA2 sparse attention (NVIDIA GPUs; docs/architecture.md,
+"Joint sink softmax").
 
 One program per (query row, head block, list split): the ``block_h`` heads of a query share its
 index list (MQA), so every 64-entry block is one ``[block_h, 64]`` score tile on the tensor
@@ -281,7 +282,8 @@ def _kernel(q_ref, idx_ref, top_ref, wkv_ref, wsc_ref, mkv_ref, msc_ref, sink_re
 
 
 def softmax_update(s, valid, m, l, accs, pv, scale: float, exp, after_scores=None):
-    """One 64-entry block of the reference's online sink softmax (spec 3.8), in a kernel.
+    """One 64-entry block of the reference's online sink softmax (docs/architecture.md,
+    "Joint sink softmax"), in a kernel.
 
     ``s`` fp32 [BH, BN] unscaled scores, ``valid`` bool [BN] (an unlisted entry reads a
     finite row and gets P = 0, so it adds exactly nothing), running max ``m`` / denominator

@@ -1,4 +1,5 @@
-"""Pallas Triton kernel of the CSA2 sparse attention over rows dequantised once (spec 3.8).
+"""Pallas Triton kernel of the CSA2 sparse attention over rows dequantised once
+(docs/architecture.md, "Joint sink softmax").
 
 Prefill attends many queries to the same few KV rows: at 4096 queries x 640 listed entries over
 4224 window rows and 4096 main-KV entries, each row is listed about 315 times, and the packed
