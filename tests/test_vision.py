@@ -1,4 +1,5 @@
-"""Vision preprocessing, ViT, aligner and span rows against the tiny-vl fixtures (spec 8)."""
+"""Vision preprocessing, ViT, aligner and span rows against the tiny-vl fixtures
+(docs/architecture.md, "Vision")."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ _IMAGES = [(c["name"], c["file"], im["index"], im["file"])
 _IMAGE_IDS = [f"{case}-I{k}" for case, _, k, _ in _IMAGES]
 
 
-# ------------------------------------------------------------------ preprocessing (spec 8.1)
+# ------------------------------- preprocessing (docs/architecture.md, "Image preprocessing")
 @pytest.mark.parametrize("case,npz,k,file", _IMAGES, ids=_IMAGE_IDS)
 def test_preprocess_exact(case, npz, k, file):
     z, d = _npz(npz), _image(file)
@@ -134,7 +135,7 @@ def test_preprocess_large_and_extreme_images_fit_budget():
         chex.assert_shape(d["patches"], (d["vit_grid"][0] * d["vit_grid"][1], 3 * 14 * 14))
 
 
-# ------------------------------------------------------------------ ViT (spec 8.2)
+# ------------------------------------------------------------------ ViT
 # 0.047 / 2**-7 = 6 ulps (the fixture README's bound for an fp32 re-implementation of the ViT);
 # at most 60% of the elements may differ (a bug, e.g. a wrong RoPE half, moves nearly all).
 VIT_ULPS, VIT_FRAC = 6, 0.6
@@ -159,7 +160,7 @@ def test_vit(case, npz, k, file):
           f"vit_out {e_out:.3g}")
 
 
-# ------------------------------------------------------------------ aligner (spec 8.3)
+# ------------------------------------------------------------------ aligner
 @pytest.mark.parametrize("case,npz,k,file", _IMAGES, ids=_IMAGE_IDS)
 def test_aligner_from_recorded_vit_out(case, npz, k, file):
     z, d, cfg = _npz(npz), _image(file), _cfg()
@@ -171,7 +172,7 @@ def test_aligner_from_recorded_vit_out(case, npz, k, file):
     np.testing.assert_array_equal(_f32(out), z[f"image.aligner_out.I{k}"])
 
 
-# ------------------------------------------------------------------ span rows (spec 8.4)
+# ------------------------------------------------------------------ span rows
 @pytest.mark.parametrize("case,npz,k,file", _IMAGES, ids=_IMAGE_IDS)
 def test_span_rows_match_embed_out(case, npz, k, file):
     z, d, cfg, params = _npz(npz), _image(file), _cfg(), _params()
@@ -251,7 +252,7 @@ def test_span_rows_rejects_mismatched_slots():
 
 
 def test_rope_table_layout():
-    """First half of the angles is row-based, second half column-based (spec 8.2)."""
+    """First half of the angles is row-based, second half column-based."""
     cos, sin = vision.vision_rope_table(2, 3, 16, 10000.0)
     chex.assert_shape(cos, (6, 8))
     inv = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)

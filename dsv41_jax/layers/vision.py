@@ -1,4 +1,7 @@
-"""Vision tower: ViT with 2D RoPE, the 3x3 aligner, the image-span embedding rows (spec 8.2-8.4).
+"""Vision tower: ViT with 2D RoPE, the 3x3 aligner, the image-span embedding rows.
+
+See docs/architecture.md, "Vision transformer and aligner" and
+"Image spans".
 
 Pure functions of the nested checkpoint dicts: ``p`` for :func:`vit_forward` is the subtree
 under ``vision.`` (``p["blocks"][i]["attn"]["wqkv"]["weight"]``), for :func:`aligner_forward`
@@ -34,7 +37,8 @@ BF16 = jnp.bfloat16
 HIGHEST = jax.lax.Precision.HIGHEST
 VISION_NORM_EPS = 1e-6
 
-# Token types of an image span (spec 8.4); the same values as dsv41_jax.image_processor.
+# Token types of an image span (docs/architecture.md, "Image spans"); the same values as
+# dsv41_jax.image_processor.
 IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = 0, 1, 2, 3
 
 
@@ -54,7 +58,8 @@ def _add_bf16(a: Float[Array, "..."], b: Float[Array, "..."]) -> Float[Array, ".
 
 
 def _linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
-    """bf16 ``nn.Linear``: ``bf16(x @ W.T + b)``, fp32 accumulation and bias add. Spec 8.2.
+    """bf16 ``nn.Linear``: ``bf16(x @ W.T + b)``, fp32 accumulation and bias add.
+    See docs/architecture.md, "Vision transformer and aligner".
 
     The bf16 operands are upcast (their products are exact in fp32) and summed in chunks of 16
     whose fp32 partial sums are added pairwise: the result is then as close to the exact sum as
@@ -78,7 +83,10 @@ def _linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
 
 
 def vision_rms_norm(x: Float[Array, "... V"], w: Float[ArrayLike, "V"]) -> Float[Array, "... V"]:
-    """Vision RMSNorm: ``bf16(w_f32 * x_f32 * rsqrt(mean(x^2) + 1e-6))``. Spec 8.2."""
+    """Vision RMSNorm: ``bf16(w_f32 * x_f32 * rsqrt(mean(x^2) + 1e-6))``.
+
+    See docs/architecture.md, "Vision transformer and aligner".
+    """
     xf = x.astype(F32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + VISION_NORM_EPS)
     return _round_bf16(jnp.asarray(w).astype(F32) * y)
@@ -86,7 +94,8 @@ def vision_rms_norm(x: Float[Array, "... V"], w: Float[ArrayLike, "V"]) -> Float
 
 def vision_rope_table(n_vit_h: int, n_vit_w: int, head_dim: int, theta: float
                       ) -> tuple[Float[Array, "N R"], Float[Array, "N R"]]:
-    """fp32 ``(cos, sin)`` ``[N, head_dim/2]`` of the 2D RoPE, patches row-major. Spec 8.2.
+    """fp32 ``(cos, sin)`` ``[N, head_dim/2]`` of the 2D RoPE, patches row-major.
+    See docs/architecture.md, "Vision transformer and aligner".
 
     ``rope_dim = head_dim/2``; ``inv_freq_k = theta^(-2k/rope_dim)`` for ``k < rope_dim/2``; the
     patch at (row, col) gets the angles ``[row * inv_freq, col * inv_freq]``.
@@ -101,7 +110,10 @@ def vision_rope_table(n_vit_h: int, n_vit_w: int, head_dim: int, theta: float
 
 def _apply_rope(x: Float[Array, "N H E"], cos: Float[Array, "N R"], sin: Float[Array, "N R"]
                 ) -> Float[Array, "N H E"]:
-    """Half-split rotation (channel d pairs with d + E/2) in fp32, rounded to bf16. Spec 8.2."""
+    """Half-split rotation (channel d pairs with d + E/2) in fp32, rounded to bf16.
+
+    See docs/architecture.md, "Vision transformer and aligner".
+    """
     xf = x.astype(F32)
     half = xf.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
@@ -111,7 +123,10 @@ def _apply_rope(x: Float[Array, "N H E"], cos: Float[Array, "N R"], sin: Float[A
 
 def _attention(p: dict, x: Float[Array, "N V"], cos: Float[Array, "N R"],
                sin: Float[Array, "N R"], n_heads: int) -> Float[Array, "N V"]:
-    """Full bidirectional self-attention over one image, scale ``1/sqrt(E)``. Spec 8.2."""
+    """Full bidirectional self-attention over one image, scale ``1/sqrt(E)``.
+
+    See docs/architecture.md, "Vision transformer and aligner".
+    """
     n, dim = x.shape
     e = dim // n_heads
     qkv_nx = _linear(x, p["wqkv"])
@@ -129,7 +144,10 @@ def _attention(p: dict, x: Float[Array, "N V"], cos: Float[Array, "N R"],
 
 
 def _mlp(p: dict, x: Float[Array, "N V"]) -> Float[Array, "N V"]:
-    """SwiGLU: ``w1`` (no bias) splits into gate | up, ``w2(silu(gate) * up)``. Spec 8.2."""
+    """SwiGLU: ``w1`` (no bias) splits into gate | up, ``w2(silu(gate) * up)``.
+
+    See docs/architecture.md, "Vision transformer and aligner".
+    """
     gate_nf, up_nf = jnp.split(_linear(x, p["w1"]), 2, axis=-1)
     act_nf = _round_bf16(jax.nn.silu(gate_nf.astype(F32)))
     h_nf = _round_bf16(act_nf.astype(F32) * up_nf.astype(F32))
@@ -139,7 +157,8 @@ def _mlp(p: dict, x: Float[Array, "N V"]) -> Float[Array, "N V"]:
 # --------------------------------------------------------------------------------- ViT
 def vit_forward(p: dict, patches: Float[Array, "N P"], vit_grid: tuple[int, int], cfg,
                 return_intermediates: bool = False):
-    """ViT over one image's patches. Spec 8.2.
+    """ViT over one image's patches.
+    See docs/architecture.md, "Vision transformer and aligner".
 
     ``p``: the ``vision.*`` subtree. ``patches``: bf16 ``[N, 3*p*p]`` (row-major patches, (c, y, x)
     features); ``vit_grid = (n_vit_h, n_vit_w)`` with ``N = n_vit_h * n_vit_w`` (static).
@@ -172,7 +191,8 @@ def vit_forward(p: dict, patches: Float[Array, "N P"], vit_grid: tuple[int, int]
 # --------------------------------------------------------------------------------- aligner
 def aligner_unfold(vit_out: Float[Array, "N V"], vit_grid: tuple[int, int], ratio: int
                    ) -> Float[Array, "L U"]:
-    """Zero-pad the patch grid to multiples of ``ratio``, unfold ``ratio x ratio`` cells. Spec 8.3.
+    """Zero-pad the patch grid to multiples of ``ratio``, unfold ``ratio x ratio`` cells.
+    See docs/architecture.md, "Vision transformer and aligner".
 
     Returns ``[n_llm_h * n_llm_w, V * ratio^2]`` in row-major cell order, feature index
     ``c * ratio^2 + ki * ratio + kj`` (channel-major), in ``vit_out``'s dtype.
@@ -188,7 +208,8 @@ def aligner_unfold(vit_out: Float[Array, "N V"], vit_grid: tuple[int, int], rati
 
 def aligner_forward(p: dict, vit_out: Float[Array, "N V"], vit_grid: tuple[int, int], cfg
                     ) -> Float[Array, "L D"]:
-    """Aligner: 3x3 unfold, then ``w2(gelu_exact(w1(.)))``. Spec 8.3.
+    """Aligner: 3x3 unfold, then ``w2(gelu_exact(w1(.)))``.
+    See docs/architecture.md, "Vision transformer and aligner".
 
     ``p``: the ``aligner.*`` subtree. Returns bf16 ``[n_llm_h * n_llm_w, dim]``, the rows of the
     span's IMAGE slots in reading order.
@@ -203,7 +224,8 @@ def aligner_forward(p: dict, vit_out: Float[Array, "N V"], vit_grid: tuple[int, 
 
 # --------------------------------------------------------------------------------- span rows
 def span_rows(params: dict, image_rows: Float[Array, "L D"], token_types) -> Float[Array, "T D"]:
-    """Assemble a span's embedding rows from its aligner rows and the learned delimiters. Spec 8.4.
+    """Assemble a span's embedding rows from its aligner rows and the learned delimiters.
+    See docs/architecture.md, "Image spans".
 
     ``token_types``: host int array ``[T]`` of START / IMAGE / NEW_LINE / END; IMAGE slots take
     ``image_rows`` in order. Returns bf16 ``[T, dim]``. Raises ``ValueError`` if the number of
@@ -230,7 +252,9 @@ def span_rows(params: dict, image_rows: Float[Array, "L D"], token_types) -> Flo
 
 
 def image_embeddings(params: dict, image: dict, cfg) -> Float[Array, "T D"]:
-    """The embedding rows that replace one image span (spec 8.2-8.4).
+    """The embedding rows that replace one image span.
+
+    See docs/architecture.md, "Vision transformer and aligner" and "Image spans".
 
     ``params``: the whole nested checkpoint (``vision``, ``aligner``, ``image_start``,
     ``image_end``, ``image_newline``). ``image``: a ``preprocess_image`` dict (``patches``,
