@@ -33,13 +33,10 @@ from dsv41_jax.layers.attention import Chunk, attention, kv_source_update
 from dsv41_jax.layers.linear import rms_norm
 from dsv41_jax.layers.moe import moe
 from dsv41_jax.layers.rope import rope_frequencies
+from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from pallas_kernels.impls import check_family
 from pallas_kernels.indexer import impl_for_family, select_impl_for_family
 from pallas_kernels.sparse_attention import resolve_impl
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class Static(NamedTuple):

@@ -27,9 +27,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax import quant
 from dsv41_jax.config import LayerPlan, ModelConfig
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
+from dsv41_jax.dtypes import BF16, F32
 
 
 def entry_capacity(capacity: int, ratio: int) -> int:

@@ -22,13 +22,11 @@ from dsv41_jax.config import LayerRole, ModelConfig
 from dsv41_jax.layers import compressor, indexer
 from dsv41_jax.layers.linear import dequant_weight, linear, rms_norm
 from dsv41_jax.layers.rope import apply_rope, rope_angles
+from dsv41_jax.dtypes import BF16, F32
 from pallas_kernels import fp4
 from pallas_kernels import indexer as index_kernels
 from pallas_kernels.sparse_attention import blocked_sink_softmax
 from pallas_kernels.sparse_attention import sparse_attention as sparse_attention_op
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
 
 
 class Chunk(NamedTuple):

@@ -13,9 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from dsv41_jax.layers.linear import linear, rms_norm
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
+from dsv41_jax.dtypes import BF16, F32
 
 
 def compress(x: Float[Array, "B S D"], p: dict, ratio: int, p0: Int[Array, "B"], n: Int[Array, "B"],

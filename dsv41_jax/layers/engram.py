@@ -27,9 +27,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax import quant
 from dsv41_jax.layers.linear import linear
+from dsv41_jax.dtypes import BF16, F32
 
-F32 = jnp.float32
-BF16 = jnp.bfloat16
 
 DEAD = -1          # compressed id of a token that must not enter an n-gram (image tokens)
 _N_LIMBS = 8       # 64-bit values as eight 8-bit limbs

@@ -20,10 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from dsv41_jax import quant
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-HIGHEST = jax.lax.Precision.HIGHEST
+from dsv41_jax.dtypes import BF16, F32, HIGHEST
 
 
 def dequant_weight(p: dict, dtype=BF16) -> jax.Array:

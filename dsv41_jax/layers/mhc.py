@@ -10,10 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-HIGHEST = jax.lax.Precision.HIGHEST
+from dsv41_jax.dtypes import BF16, F32, HIGHEST
 
 
 def sinkhorn_split(mixes: Float[Array, "... M"], scale: Float[Array, "3"], base: Float[Array, "M"],

@@ -15,10 +15,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.linear import linear
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-HIGHEST = jax.lax.Precision.HIGHEST
+from dsv41_jax.dtypes import BF16, F32, HIGHEST
 
 
 def _softplus(z):

@@ -15,8 +15,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from dsv41_jax.config import ModelConfig, yarn_correction_range
-
-F32 = jnp.float32
+from dsv41_jax.dtypes import F32
 
 
 def rope_frequencies(cfg: ModelConfig, kind: str) -> np.ndarray:

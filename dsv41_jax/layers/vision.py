@@ -31,10 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
+from dsv41_jax.dtypes import BF16, F32, HIGHEST
 
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-HIGHEST = jax.lax.Precision.HIGHEST
 VISION_NORM_EPS = 1e-6
 
 # Token types of an image span (docs/architecture.md, "Image spans"); the same values as
