@@ -76,6 +76,23 @@ def _check_keys(d: dict, known: set | frozenset, where: str) -> None:
             raise ValueError(f"unknown config key {k!r} in {where}{hint}")
 
 
+def _check_types(vals: dict, types: dict) -> None:
+    """Raise ``ValueError`` naming the first value whose JSON type does not fit its field:
+    ``int`` (not a bool or a float), ``float`` (an int or a float), ``str``, ``bool``, ``tuple``
+    (a list of integers); ``Any`` fields take anything."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    ok = {"int": is_int, "float": lambda v: is_int(v) or isinstance(v, float),
+          "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
+          "tuple": lambda v: isinstance(v, (list, tuple)) and all(is_int(x) for x in v)}
+    want = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+            "tuple": "a list of integers"}
+    for k, v in vals.items():
+        t = str(types[k])
+        if t in ok and not ok[t](v):
+            raise ValueError(f"config key {k!r} must be {want[t]}, got {v!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Frozen model hyper-parameters in the reference's key names (docs/architecture.md,
@@ -106,13 +123,17 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: Any) -> "ModelConfig":
         """From a flat reference ``config.json`` dict or the nested Hugging Face layout.
 
-        Absent keys take the reference defaults. Raises ``ValueError`` for a key that is neither
-        a config key nor Hugging Face bookkeeping (``architectures``, ``model_type``, ...),
-        naming it and the closest known key, and for inconsistent values (:meth:`validate`).
+        ``d`` is a dict (anything else, e.g. a JSON list, raises ``ValueError``). Absent keys take
+        the reference defaults. Raises ``ValueError`` for a value of the wrong type (naming the
+        key), for a key that is neither a config key nor Hugging Face bookkeeping
+        (``architectures``, ``model_type``, ...), naming it and the closest known key, and for
+        inconsistent values (:meth:`validate`).
         """
+        if not isinstance(d, dict):
+            raise ValueError(f"a config must be a JSON object (dict), got {type(d).__name__}")
         d = dict(d)
         if "text_config" in d:  # nested Hugging Face layout
             _check_keys(d, _NESTED_SECTIONS | _METADATA_KEYS, "the top level")
@@ -121,11 +142,11 @@ class ModelConfig:
                         "text_config")
             flat = {_HF_NAMES.get(k, k): v for k, v in text.items() if k not in _METADATA_KEYS}
             rs = flat.pop("rope_scaling", None) or {}
-            if rs:
-                flat.setdefault("rope_factor", rs.get("factor"))
-                flat.setdefault("original_seq_len", rs.get("original_max_position_embeddings"))
-                flat.setdefault("beta_fast", rs.get("beta_fast"))
-                flat.setdefault("beta_slow", rs.get("beta_slow"))
+            for key, hf_key in (("rope_factor", "factor"), ("beta_fast", "beta_fast"),
+                                ("original_seq_len", "original_max_position_embeddings"),
+                                ("beta_slow", "beta_slow")):
+                if rs.get(hf_key) is not None:
+                    flat.setdefault(key, rs[hf_key])
             vc = {k if k.startswith("vision_") else f"vision_{k}": v
                   for k, v in (d.get("vision_config") or {}).items() if k not in _METADATA_KEYS}
             _check_keys(vc, {k for k in _DEFAULTS if k.startswith("vision_")}, "vision_config")
@@ -139,8 +160,9 @@ class ModelConfig:
         else:
             _check_keys(d, set(_DEFAULTS) | _METADATA_KEYS, "the config")
         vals = {k: d.get(k, v) for k, v in _DEFAULTS.items()}
+        _check_types(vals, {f.name: f.type for f in dataclasses.fields(cls)})
         for k in _TUPLE_KEYS:
-            vals[k] = tuple(int(x) for x in vals[k])
+            vals[k] = tuple(vals[k])
         cfg = cls(**vals)
         cfg.validate()
         return cfg
@@ -148,11 +170,11 @@ class ModelConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
         """:meth:`from_dict` of a JSON file; its ``ValueError`` messages start with the path."""
-        with open(path) as f:
-            d = json.load(f)
         try:
+            with open(path) as f:
+                d = json.load(f)
             return cls.from_dict(d)
-        except ValueError as e:
+        except ValueError as e:   # json.JSONDecodeError is a ValueError too
             raise ValueError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict:

@@ -145,6 +145,34 @@ def test_misspelt_key_names_the_closest_known_key(flash_dict, tmp_path):
         ModelConfig.from_dict(dict(flash_dict, zzz=1))   # nothing close: no suggestion
 
 
+@pytest.mark.parametrize("key,value,match", [
+    ("dim", "big", r"'dim' must be an integer, got 'big'"),
+    ("window_size", None, r"'window_size' must be an integer, got None"),
+    ("window_size", "16", r"'window_size' must be an integer, got '16'"),
+    ("n_layers", 2.5, r"'n_layers' must be an integer, got 2.5"),
+    ("norm_topk_prob", 1, r"'norm_topk_prob' must be true or false"),
+    ("compress_ratios", "abc", r"'compress_ratios' must be a list of integers"),
+    ("kv_source_layers", [2, 8.5], r"'kv_source_layers' must be a list of integers"),
+    ("score_func", 3, r"'score_func' must be a string"),
+])
+def test_wrong_value_types_are_refused(flash_dict, key, value, match):
+    """A value of the wrong JSON type is a ValueError naming the key, not a TypeError later."""
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict(dict(flash_dict, **{key: value}))
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    """Broken JSON and a JSON list are ValueErrors that start with the file's path."""
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"dim": 2048,, }')
+    with pytest.raises(ValueError, match=r"broken\.json: "):
+        ModelConfig.from_json(bad)
+    lst = tmp_path / "list.json"
+    lst.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"list\.json: a config must be a JSON object"):
+        ModelConfig.from_json(lst)
+
+
 def test_metadata_keys_are_accepted(flash_dict):
     """Hugging Face bookkeeping keys are accepted and change nothing."""
     meta = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",

@@ -273,8 +273,10 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, ids: list[int]) ->
     steps = len(generated) - 1
     tps = steps / t_dec if steps and t_dec > 0 else None
     print("-" * 72)
-    bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
-    print(args.text + bold + tokenizer.decode(tok, generated) + plain)
+    if sys.stdout.isatty():   # the generated text in bold after the prompt
+        print(args.text + "\033[1m" + tokenizer.decode(tok, generated) + "\033[0m")
+    else:                     # no bold in a log or a pipe: the generated text on its own line
+        print(f"{args.text}\n[generated] {tokenizer.decode(tok, generated)}")
     print("-" * 72)
     print(f"time to first token: {ttft:.2f}s (prefill mode {args.mode}, compilation included)")
     print(decode_line(steps, t_dec))

@@ -60,7 +60,8 @@ def _args(argv):
             ap.error(" ".join(str(e).split()))
     manifest = os.path.join(args.fixture_dir, "manifest.json")
     if not os.path.isfile(manifest):
-        ap.error(f"{args.fixture_dir}: no manifest.json (not a fixture directory)")
+        ap.error(f"{args.fixture_dir}: no such directory" if not os.path.isdir(args.fixture_dir)
+                 else f"{args.fixture_dir}: no manifest.json (not a fixture directory)")
     if args.no_teacher_forced and args.no_end_to_end:
         ap.error("--no-teacher-forced with --no-end-to-end leaves nothing to compare")
     with open(manifest) as f:
@@ -99,7 +100,8 @@ def report(checks: list[parity.Check]) -> str:
             lines += [f"-- {title}: {len(rows)}", *rows]
     n = parity.summary(checks)
     lines.append(f"{n['pass']} passed, {n['fail']} failed (hard checks); {n['info']} "
-                 f"information rows; {n['empty']} empty comparisons")
+                 f"information rows; {n['empty']} empty "
+                 f"comparison{'' if n['empty'] == 1 else 's'}")
     return "\n".join(lines)
 
 
