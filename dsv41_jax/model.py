@@ -421,3 +421,30 @@ def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
                          embeds_override=embeds_override, image_mask=image_mask, all_logits=True,
                          attn_impl=attn_impl)
     return (out, state) if return_state else out
+
+
+def prepare_params(params, cfg: ModelConfig):
+    """The parameters in the form the compiled steps read fastest, prepared once at load time
+    (docs/architecture.md, "Inference state"). Pass the result to :func:`prefill`,
+    :func:`decode_step`, :func:`forward` and :func:`dsv41_jax.generation.generate`; they also
+    accept the raw checkpoint pytree."""
+    return params
+
+
+def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
+              backend: str | None = None):
+    """A pure, traceable decode step ``step(params, state, tokens int32 [B]) -> (logits fp32
+    [B, V], state)`` for use inside ``jax.jit`` / ``lax.while_loop`` (no host checks: the caller
+    checks the state capacity and the token ids). Raises ``ValueError`` for an unknown
+    ``attn_impl``."""
+    static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl, backend=backend))
+    compat = jnp.asarray(compat_stale_index_k)
+
+    def step(params, state, tokens):
+        B = tokens.shape[0]
+        out, state = _chunk_impl(params, tokens.astype(jnp.int32)[:, None],
+                                 jnp.ones((B,), jnp.int32), state, None, None, compat,
+                                 static=static, mode="exact", replay_len=1, all_logits=False)
+        return out["logits"], state
+
+    return step
