@@ -321,6 +321,12 @@ class LayerPlan:
     def kv_sources(self) -> tuple:
         return tuple(r.layer for r in self.roles if r.owns_kv)
 
+    @property
+    def groups(self) -> tuple:
+        """The layers as :class:`LayerGroup` s, in order (docs/architecture.md, "Scanned layer
+        groups")."""
+        return layer_groups(self)
+
     def __getitem__(self, i: int) -> LayerRole:
         return self.roles[i]
 
@@ -339,3 +345,72 @@ def yarn_correction_range(cfg: ModelConfig) -> tuple[int, int]:
     low = max(math.floor(cd(cfg.beta_fast)), 0)
     high = min(math.ceil(cd(cfg.beta_slow)), dim - 1)
     return low, high
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Consecutive *units* of identical structure, run as one ``lax.scan`` over parameters and
+    state slices stacked along the units (docs/architecture.md, "Scanned layer groups").
+
+    A unit is a layer that is not Reuse (SWA-only, Full, Reindex) and the Reuse layers after
+    it; inside a unit, a *run* of consecutive layers of the same role is one inner scan.
+    """
+
+    units: tuple         # layer ids, [U][unit length]
+    runs: tuple          # (start, length) of each run inside a unit
+
+    @property
+    def layers(self) -> tuple:
+        return tuple(i for u in self.units for i in u)
+
+    @property
+    def head(self) -> int:
+        """The first layer of the first unit."""
+        return self.units[0][0]
+
+
+def _layer_signature(role: LayerRole, unit: tuple) -> tuple:
+    """What must agree for two layers to share one compiled body: the role without the layer
+    ids, with the KV source it reads as an offset inside its unit (or the absolute layer when
+    the source is outside the unit: every unit then reads that same source)."""
+    kv = ("unit", role.kv_layer - unit[0]) if role.kv_layer in unit else ("layer", role.kv_layer)
+    return (role.mode, role.ratio, kv, role.owns_kv, role.owns_index, role.uses_candidates,
+            role.is_candidate_source, role.engram, role.rope, role.is_decoder)
+
+
+def layer_groups(plan: "LayerPlan") -> tuple:
+    """Split the layers into units and merge consecutive units of the same structure into
+    :class:`LayerGroup` s. A unit holding an Engram layer or the candidate source stays alone
+    (it differs from every other one)."""
+    units: list[list[int]] = []
+    for role in plan.roles:
+        if role.mode != "reuse" or not units or role.layer == plan.decoder_start:
+            units.append([role.layer])
+        else:
+            units[-1].append(role.layer)
+
+    def structure(unit):
+        sig = tuple(_layer_signature(plan[i], tuple(unit)) for i in unit)
+        alone = any(plan[i].engram or plan[i].is_candidate_source for i in unit)
+        return (sig, unit[0] if alone else None)
+
+    def runs_of(sig):
+        runs, start = [], 0
+        for j in range(1, len(sig) + 1):
+            if j == len(sig) or sig[j] != sig[start] or start == 0:
+                # the unit head is always a run of its own
+                runs.append((start, j - start))
+                start = j
+        return tuple(runs)
+
+    groups: list[LayerGroup] = []
+    prev = None
+    for unit in units:
+        st = structure(unit)
+        if prev is not None and st == prev:
+            g = groups[-1]
+            groups[-1] = LayerGroup(g.units + (tuple(unit),), g.runs)
+        else:
+            groups.append(LayerGroup((tuple(unit),), runs_of(st[0])))
+        prev = st
+    return tuple(groups)

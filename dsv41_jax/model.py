@@ -19,18 +19,20 @@ Bad input raises ``ValueError`` before anything runs, so a rejected call never t
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax import state as st
-from dsv41_jax.config import LayerPlan, ModelConfig
+from dsv41_jax.config import LayerGroup, LayerPlan, ModelConfig
 from dsv41_jax.layers import engram as engram_layer
 from dsv41_jax.layers import mhc
-from dsv41_jax.layers.attention import Chunk, attention, kv_source_update
-from dsv41_jax.layers.linear import rms_norm
+from dsv41_jax.layers.attention import Bus, Chunk, attention, kv_source_update
+from dsv41_jax.layers.linear import dequant_weight, rms_norm
 from dsv41_jax.layers.moe import moe
 from dsv41_jax.layers.rope import rope_frequencies
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
@@ -50,16 +52,102 @@ class Static(NamedTuple):
     select_impl: str = "xla"  # resolved indexer top-k implementation (never "auto")
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["logits", "all_logits", "final_hidden", "replay_logits",
+                                "records"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What :func:`prefill` and :func:`forward` return beside the state.
+
+    * ``logits`` fp32 [B, V]: at each row's last valid token.
+    * ``all_logits`` fp32 [B, S, V] and ``final_hidden`` bf16 [B, S, D]: every position of the
+      chunk (``all_logits=True``, exact mode or decode), else ``None``.
+    * ``replay_logits`` fp32 [B, R, V]: the bounded replay's positions (``all_logits=True`` in
+      CED mode), else ``None``.
+    * ``records``: per-layer intermediates, ``{layer: {name: array}}`` (``collect=True``), else
+      ``None``.
+    """
+
+    logits: Any
+    all_logits: Any = None
+    final_hidden: Any = None
+    replay_logits: Any = None
+    records: Any = None
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _linear_prepared(p: dict) -> dict:
+    """An FP8 block-scaled linear as its bf16 dequantised weight (``"dq"``; the activations are
+    still FP8-quantised on use, :func:`dsv41_jax.layers.linear.linear`)."""
+    return {"dq": dequant_weight(p, BF16)}
+
+
+def _prepare_layer(lp: dict) -> dict:
+    def walk(d):
+        if isinstance(d, dict):
+            if "weight" in d and getattr(d["weight"], "dtype", None) == jnp.float8_e4m3fn:
+                return _linear_prepared(d)
+            # routed experts stay packed FP4; Engram's table is an embedding, not a linear
+            return {k: (v if k in ("experts", "engram") else walk(v)) for k, v in d.items()}
+        return d
+    return walk(lp)
+
+
+def prepare_params(params, cfg: ModelConfig):
+    """The parameters in the form the compiled steps read fastest, prepared once at load time
+    (docs/architecture.md, "Scanned layer groups" and "Quantised linears").
+
+    * The layers' parameters are stacked per :class:`~dsv41_jax.config.LayerGroup`: for every
+      run of a group's units, one tree with leading axes [units, layers in the run].
+    * FP8 block-scaled linears are dequantised to bf16 once (their numerics are unchanged: the
+      activations are still quantised on use, and FP8 values times a power of two are exact in
+      bf16). Routed experts stay packed FP4.
+
+    ``params``: the pytree of :func:`dsv41_jax.checkpoint.params_from_tensors` (or
+    :func:`~dsv41_jax.random_weights.random_params_device`); an already prepared tree is returned
+    as it is. Every entry point accepts both; passing the raw tree re-prepares it per call.
+    """
+    if "layer_groups" in params:
+        return params
+    plan = LayerPlan.from_config(cfg)
+    layers = [_prepare_layer(lp) for lp in params["layers"]]
+    groups = []
+    for g in plan.groups:
+        runs = []
+        for start, length in g.runs:
+            runs.append(jax.tree.map(
+                lambda *a: jnp.stack(a).reshape(len(g.units), length, *a[0].shape),
+                *[layers[u[start + j]] for u in g.units for j in range(length)]))
+        groups.append(tuple(runs))
+    out = {k: v for k, v in params.items() if k != "layers"}
+    out["layer_groups"] = tuple(groups)
+    return out
+
+
+def layer_params(prepared, cfg: ModelConfig, layer: int) -> dict:
+    """One layer's parameters out of :func:`prepare_params`' stacked groups."""
+    for g, runs in zip(LayerPlan.from_config(cfg).groups, prepared["layer_groups"]):
+        for u, unit in enumerate(g.units):
+            if layer in unit:
+                j = unit.index(layer)
+                r = max(k for k, (start, _) in enumerate(g.runs) if start <= j)
+                return jax.tree.map(lambda a: a[u, j - g.runs[r][0]], runs[r])
+    raise ValueError(f"layer {layer} is outside the model's {cfg.n_layers} layers")
+
+
 # ----------------------------------------------------------------------------- blocks
 
 
-def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, state, bus, *,
-          engram_ids=None, token_mask=None, image_mask=None, skip_kv_update=False, record=None):
+def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, ls: st.LayerState, bus: Bus,
+          *, engram_ids=None, token_mask=None, image_mask=None, skip_kv_update=False,
+          record=None):
     """One backbone block with single-pass mHC wiring; Engram first if present
     (docs/architecture.md, "mHC: hyper-connections" and "Engram update").
 
-    ``X`` bf16 [B, S, C, D]; ``pre_mix`` fp32 [B, S, C] from the previous block's FFN head.
-    Returns ``(X, f_pre, state, bus)``.
+    ``X`` bf16 [B, S, C, D]; ``pre_mix`` fp32 [B, S, C] from the previous block's FFN head;
+    ``ls`` the layer's slices of the state. Returns ``(X, f_pre, ls, bus)``.
     """
     C = cfg.hc_mult
     if role.engram:
@@ -70,8 +158,8 @@ def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, state, bus, *,
     a_pre, a_post, a_comb = mhc.hc_mixes(X, p["hc_attn_fn"], p["hc_attn_scale"],
                                          p["hc_attn_base"], **hc)
     xa = rms_norm(mhc.hc_pre(X, pre_mix), p["attn_norm"]["weight"], cfg.norm_eps)
-    y, state, bus = attention(p["attn"], xa, role, cfg, ch, state, bus,
-                              skip_kv_update=skip_kv_update, record=record)
+    y, ls, bus = attention(p["attn"], xa, role, cfg, ch, ls, bus,
+                           skip_kv_update=skip_kv_update, record=record)
     X = mhc.hc_post(y, X, a_post, a_comb)
     f_pre, f_post, f_comb = mhc.hc_mixes(X, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"],
                                          **hc)
@@ -84,19 +172,122 @@ def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, state, bus, *,
     if record is not None:
         record.update(attn_out=y, ffn_out=y2, block_out=X, block_pre_mix=f_pre,
                       moe_topk_idx=eidx, moe_topk_weight=ew)
-    return X, f_pre, state, bus
+    return X, f_pre, ls, bus
 
 
-def _run_blocks(params, cfg, plan, layer_ids, X, pre_mix, ch, state, bus, extras, records,
+def _stack(trees, shape):
+    """Stack a flat list of equal pytrees into leading axes ``shape``."""
+    return jax.tree.map(lambda *a: jnp.stack(a).reshape(*shape, *a[0].shape), *trees)
+
+
+def _unstack(tree, n):
+    return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]
+
+
+def _topk_width(cfg: ModelConfig, source: st.KVSource) -> int:
+    return min(cfg.index_topk, source.main.shape[1])
+
+
+def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_mix, ch: Chunk,
+               state: st.InferenceState, bus: Bus, extras: dict, collect: bool,
+               skip_kv_layer: int):
+    """One :class:`LayerGroup`: a ``lax.scan`` over its units (parameters and state slices
+    stacked along the units), each unit's runs of Reuse layers an inner ``lax.scan``
+    (docs/architecture.md, "Scanned layer groups"). Returns ``(X, pre_mix, state, bus,
+    records)`` with ``records`` ``{layer: dict}`` (empty unless ``collect``)."""
+    U = len(g.units)
+    head_role = plan[g.head]
+    owns = head_role.owns_kv
+    roles = [plan[g.units[0][start]] for start, _ in g.runs]
+    # the KV source every layer of the unit reads: the head's own, or one before the group
+    ext_src = None
+    if head_role.ratio > 0 and not owns:
+        ext_src = state.sources[head_role.kv_layer]
+    stale = (None, None)
+    if owns and head_role.ratio > 1:
+        r1 = [i for i, s in state.sources.items() if s.tail is None]
+        if r1:
+            stale = (state.sources[r1[0]].index, state.sources[r1[0]].index_scale)
+    windows = tuple(_stack([state.windows[u[start + j]] for u in g.units for j in range(length)],
+                           (U, length)) for start, length in g.runs)
+    own_src = _stack([state.sources[u[0]] for u in g.units], (U,)) if owns else None
+    skip = g.head == skip_kv_layer
+    if head_role.owns_index:
+        width = _topk_width(cfg, ext_src if ext_src is not None else state.sources[g.head])
+        bus = Bus(topk=jnp.full((*ch.valid.shape, width), -1, jnp.int32),
+                  candidates=bus.candidates)
+
+    def layer(p, X, pre_mix, role, ls, bus):
+        rec = {} if collect else None
+        layer_id = role.layer
+        X, pre_mix, ls, bus = block(
+            p, X, pre_mix, role, cfg, ch, ls, bus,
+            engram_ids=extras["engram_ids"].get(layer_id) if role.engram else None,
+            token_mask=extras["token_mask"], image_mask=extras["image_mask"],
+            skip_kv_update=skip and role.owns_kv, record=rec)
+        return X, pre_mix, ls, bus, rec
+
+    def unit(carry, xs):
+        X, pre_mix, bus = carry
+        p_runs, w_runs, src = xs
+        src = ext_src if src is None else src
+        new_w, recs = [], []
+        for r, ((start, length), role) in enumerate(zip(g.runs, roles)):
+            if length == 1:
+                ls = st.LayerState(window=jax.tree.map(lambda a: a[0], w_runs[r]), source=src,
+                                   stale_index=stale[0], stale_index_scale=stale[1])
+                X, pre_mix, ls, bus, rec = layer(jax.tree.map(lambda a: a[0], p_runs[r]), X,
+                                                 pre_mix, role, ls, bus)
+                if role.owns_kv:
+                    src = ls.source
+                new_w.append(jax.tree.map(lambda a: a[None], ls.window))
+                recs.append(jax.tree.map(lambda a: a[None], rec))
+            else:
+                def inner(c, xs2, role=role, src=src):
+                    X, pre_mix, bus = c
+                    p, w = xs2
+                    ls = st.LayerState(window=w, source=src)
+                    X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus)
+                    return (X, pre_mix, bus), (ls.window, rec)
+                (X, pre_mix, bus), (w, rec) = jax.lax.scan(inner, (X, pre_mix, bus),
+                                                           (p_runs[r], w_runs[r]))
+                new_w.append(w)
+                recs.append(rec)
+        return (X, pre_mix, bus), (tuple(new_w), src if owns else None, recs)
+
+    xs = (runs_p, windows, own_src)
+    if U == 1:
+        carry, ys = unit((X, pre_mix, bus), jax.tree.map(lambda a: a[0], xs))
+        ys = jax.tree.map(lambda a: a[None], ys)
+    else:
+        carry, ys = jax.lax.scan(unit, (X, pre_mix, bus), xs)
+    X, pre_mix, bus = carry
+    new_w, new_src, recs = ys
+    wins = list(state.windows)
+    records = {}
+    for u, ids in enumerate(g.units):
+        for r, (start, length) in enumerate(g.runs):
+            for j in range(length):
+                wins[ids[start + j]] = jax.tree.map(lambda a: a[u, j], new_w[r])
+                if collect:
+                    records[ids[start + j]] = jax.tree.map(lambda a: a[u, j], recs[r])
+    sources = dict(state.sources)
+    if owns:
+        for u, ids in enumerate(g.units):
+            sources[ids[0]] = jax.tree.map(lambda a: a[u], new_src)
+    state = state.replace(windows=tuple(wins), sources=sources)
+    return X, pre_mix, state, bus, records
+
+
+def _run_blocks(params, cfg, plan, groups, X, pre_mix, ch, state, bus, extras, records,
                 skip_kv_layer=-1):
-    for i in layer_ids:
-        rec = {} if records is not None else None
-        X, pre_mix, state, bus = block(
-            params["layers"][i], X, pre_mix, plan[i], cfg, ch, state, bus,
-            engram_ids=extras["engram_ids"].get(i), token_mask=extras["token_mask"],
-            image_mask=extras["image_mask"], skip_kv_update=(i == skip_kv_layer), record=rec)
+    for gi in groups:
+        g = plan.groups[gi]
+        X, pre_mix, state, bus, rec = _run_group(g, params["layer_groups"][gi], plan, cfg, X,
+                                                 pre_mix, ch, state, bus, extras,
+                                                 records is not None, skip_kv_layer)
         if records is not None:
-            records[i] = rec
+            records.update(rec)
     return X, pre_mix, state, bus
 
 
@@ -129,11 +320,15 @@ def kernel_impls(cfg: ModelConfig, attn_impl: str, *, backend: str | None = None
             select_impl_for_family(attn_impl, backend))
 
 
-def _make_chunk(cfg, positions, valid, p0, n, win_lo, decode, compat, attn_impl="xla",
-                win_width=0, index_impl="xla", select_impl="xla"):
+def make_chunk(cfg: ModelConfig, *, positions, valid, p0, n, win_lo, decode: bool, compat,
+               attn_impl: str = "xla", win_width: int = 0, index_impl: str = "xla",
+               select_impl: str = "xla") -> Chunk:
+    """The :class:`~dsv41_jax.layers.attention.Chunk` of a forward, with the config's RoPE
+    frequency tables."""
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
-    return Chunk(positions, valid, p0, n, win_lo, decode, compat, freqs, attn_impl, win_width,
-                 index_impl, select_impl)
+    return Chunk(positions=positions, valid=valid, p0=p0, n=n, win_lo=win_lo,
+                 compat_stale_index_k=compat, freqs=freqs, decode=decode, attn_impl=attn_impl,
+                 win_width=win_width, index_impl=index_impl, select_impl=select_impl)
 
 
 def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
@@ -144,11 +339,11 @@ def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
     if token_mask is not None:
         cids = jnp.where(token_mask, cids, engram_layer.DEAD)
     consts = params["engram_consts"]
-    ids = engram_layer.engram_hash_ids(cids, state["engram_history"], positions, consts)
+    ids = engram_layer.engram_hash_ids(cids, state.engram_history, positions, consts)
     for k, layer in enumerate(cfg.engram_layer_ids):
         extras["engram_ids"][layer] = ids[:, :, k]
-    hist = engram_layer.engram_update_history(state["engram_history"], cids, n)
-    return extras, dict(state, engram_history=hist)
+    hist = engram_layer.engram_update_history(state.engram_history, cids, n)
+    return extras, state.replace(engram_history=hist)
 
 
 def _embed(params, cfg, tokens, embeds_override, image_mask):
@@ -166,7 +361,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     plan = LayerPlan.from_config(cfg)
     B, S = tokens.shape
     W = cfg.window_size
-    p0 = state["pos"]
+    p0 = state.pos
     ar = jnp.arange(S, dtype=jnp.int32)
     positions = p0[:, None] + ar[None, :]
     valid = ar[None, :] < n[:, None]
@@ -174,36 +369,42 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     token_mask = None if image_mask is None else ~image_mask
     extras, state = _engram_extras(params, cfg, tokens, positions, n, state, token_mask)
     extras["image_mask"] = image_mask
+    kinds = dict(attn_impl=static.attn_impl, index_impl=static.index_impl,
+                 select_impl=static.select_impl)
     # replay_len is min(W, S) on a fresh prefill, else W: the reference's window-list width
-    ch = _make_chunk(cfg, positions, valid, p0, n, jnp.zeros_like(p0), decode, compat,
-                     static.attn_impl, 0 if decode else replay_len, static.index_impl,
-                     static.select_impl)
+    ch = make_chunk(cfg, positions=positions, valid=valid, p0=p0, n=n,
+                    win_lo=jnp.zeros_like(p0), decode=decode, compat=compat,
+                    win_width=0 if decode else replay_len, **kinds)
     records = {} if static.collect else None
     X = _embed(params, cfg, tokens, embeds_override, image_mask)
     pre_mix = mhc.identity_pre_mix((B, S), cfg.hc_mult)
-    bus = {"topk": jnp.full((B, S, 1), -1, jnp.int32), "candidates": None}
+    bus = Bus(topk=jnp.full((B, S, 1), -1, jnp.int32))
     dec = plan.decoder_start
     has_decoder = dec < cfg.n_layers
+    enc_groups = [k for k, g in enumerate(plan.groups) if g.head < dec]
+    dec_groups = [k for k, g in enumerate(plan.groups) if g.head >= dec]
 
-    X, pre_mix, state, bus = _run_blocks(params, cfg, plan, range(dec), X, pre_mix, ch, state,
+    X, pre_mix, state, bus = _run_blocks(params, cfg, plan, enc_groups, X, pre_mix, ch, state,
                                          bus, extras, records)
     if has_decoder:
-        ring = state["enc_ring"]
-        enc_all_x = jnp.concatenate([ring["x"], X], axis=1)           # [B, W+S, C, D]
-        enc_all_pm = jnp.concatenate([ring["pre_mix"], pre_mix], axis=1)
-        state = dict(state, enc_ring={
-            "x": st.write_ring_values(ring["x"], X, p0, n),
-            "pre_mix": st.write_ring_values(ring["pre_mix"], pre_mix, p0, n)})
+        ring = state.enc_ring
+        enc_all_x = jnp.concatenate([ring.x, X], axis=1)           # [B, W+S, C, D]
+        enc_all_pm = jnp.concatenate([ring.pre_mix, pre_mix], axis=1)
+        state = state.replace(enc_ring=st.EncoderRing(
+            x=st.write_ring_values(ring.x, X, p0, n),
+            pre_mix=st.write_ring_values(ring.pre_mix, pre_mix, p0, n)))
 
+    out = {}
     if has_decoder and mode == "ced" and not decode:
         # Decoder global KV for every position, from the encoder output
         # (docs/architecture.md, "CED prefill and bounded replay").
         role = plan[dec]
-        lp = params["layers"][dec]
+        lp = layer_params(params, cfg, dec)
         x_dec = rms_norm(mhc.hc_pre(X, pre_mix), lp["attn_norm"]["weight"], cfg.norm_eps)
-        kvname = f"L{role.kv_layer}"
-        state = dict(state, kv=dict(state["kv"], **{kvname: kv_source_update(
-            lp["attn"], x_dec, role, cfg, ch, state["kv"][kvname])}))
+        sources = dict(state.sources)
+        sources[role.kv_layer] = kv_source_update(lp["attn"], x_dec, role, cfg, ch,
+                                                  sources[role.kv_layer])
+        state = state.replace(sources=sources)
         # Bounded replay: the decoder over the last min(N, W) positions only.
         N = p0 + n
         R = jnp.where(n > 0, jnp.minimum(N, replay_len), 0)
@@ -215,29 +416,27 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
         src = jnp.clip(src, 0, W + S - 1)
         Xr = jnp.take_along_axis(enc_all_x, src[:, :, None, None], axis=1)
         pmr = jnp.take_along_axis(enc_all_pm, src[:, :, None], axis=1)
-        ch_r = _make_chunk(cfg, rpos, rvalid, start, R, start, False, compat, static.attn_impl,
-                           replay_len, static.index_impl, static.select_impl)
+        ch_r = make_chunk(cfg, positions=rpos, valid=rvalid, p0=start, n=R, win_lo=start,
+                          decode=False, compat=compat, win_width=replay_len, **kinds)
         extras_r = dict(extras, engram_ids={}, token_mask=None,
                         image_mask=None if image_mask is None else jnp.take_along_axis(
                             jnp.concatenate([jnp.zeros((B, W), bool), image_mask], 1),
                             jnp.where(rpos >= p0[:, None], W + rpos - p0[:, None], 0), axis=1))
-        bus_r = {"topk": jnp.full((B, replay_len, 1), -1, jnp.int32), "candidates": None}
-        Xr, pmr, state, _ = _run_blocks(params, cfg, plan, range(dec, cfg.n_layers), Xr, pmr,
-                                        ch_r, state, bus_r, extras_r, records, skip_kv_layer=dec)
-        out = {"logits": _logits_at(params, cfg, Xr, pmr, jnp.clip(R - 1, 0, replay_len - 1))}
+        bus_r = Bus(topk=jnp.full((B, replay_len, 1), -1, jnp.int32))
+        Xr, pmr, state, _ = _run_blocks(params, cfg, plan, dec_groups, Xr, pmr, ch_r, state,
+                                        bus_r, extras_r, records, skip_kv_layer=dec)
+        out["logits"] = _logits_at(params, cfg, Xr, pmr, jnp.clip(R - 1, 0, replay_len - 1))
         if all_logits:
             out["replay_logits"] = head_logits(params, cfg, Xr, pmr)[1]
     else:
-        X, pre_mix, state, bus = _run_blocks(params, cfg, plan, range(dec, cfg.n_layers), X,
-                                             pre_mix, ch, state, bus, extras, records)
-        out = {"logits": _logits_at(params, cfg, X, pre_mix, jnp.clip(n - 1, 0, S - 1))}
+        X, pre_mix, state, bus = _run_blocks(params, cfg, plan, dec_groups, X, pre_mix, ch,
+                                             state, bus, extras, records)
+        out["logits"] = _logits_at(params, cfg, X, pre_mix, jnp.clip(n - 1, 0, S - 1))
         if all_logits:
             hid, lg = head_logits(params, cfg, X, pre_mix)
             out["all_logits"], out["final_hidden"] = lg, hid
-    state = dict(state, pos=p0 + n)
-    if records is not None:
-        out["records"] = records
-    return out, state
+    state = state.replace(pos=p0 + n)
+    return StepOutput(records=records, **out), state
 
 
 def _chunk_rows(params, tokens, n, state, embeds_override, image_mask, compat, *,
@@ -308,7 +507,7 @@ def _check_image_inputs(cfg: ModelConfig, shape: tuple[int, int], embeds_overrid
 
 
 def _check_capacity(cfg, state, new: np.ndarray):
-    pos = np.asarray(state["pos"])
+    pos = np.asarray(state.pos)
     cap = st.capacity_of(state, cfg)
     over = pos + new
     if (over > cap).any():
@@ -344,7 +543,8 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         and top-k follow the family too (:func:`pallas_kernels.indexer.impl_for_family`,
         :func:`~pallas_kernels.indexer.select_impl_for_family`).
 
-    Returns ``(out, state)`` with ``out["logits"]`` fp32 [B, V] at each row's last token.
+    Returns ``(out, state)``: a :class:`StepOutput` (``out.logits`` fp32 [B, V] at each row's
+    last token) and the new :class:`~dsv41_jax.state.InferenceState`.
 
     Raises:
       ValueError: empty prompt, token id outside [0, vocab), lengths not matching the batch or
@@ -358,8 +558,8 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be a non-empty [B, S] array, got shape {tokens.shape}")
     B, S = tokens.shape
-    if B != state["pos"].shape[0]:
-        raise ValueError(f"tokens has batch {B} but the state holds {state['pos'].shape[0]} rows")
+    if B != state.batch:
+        raise ValueError(f"tokens has batch {B} but the state holds {state.batch} rows")
     lengths = np.full((B,), S, np.int32) if lengths is None else np.asarray(lengths, np.int32)
     if lengths.shape != (B,):
         raise ValueError(f"lengths must have shape [{B}] (one per row), got {lengths.shape}")
@@ -369,9 +569,10 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     _check_tokens(cfg, np.where(np.arange(S)[None] < lengths[:, None], tokens, 0))
     _check_image_inputs(cfg, (B, S), embeds_override, image_mask)
     _check_capacity(cfg, state, lengths)
-    fresh = not np.asarray(state["pos"]).any()
+    fresh = not np.asarray(state.pos).any()
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
     static = Static(cfg, collect, batch_invariant, *kernel_impls(cfg, attn_impl))
+    params = prepare_params(params, cfg)
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
     return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
                       jnp.asarray(compat_stale_index_k), static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
@@ -387,19 +588,20 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
     """
     impls = kernel_impls(cfg, attn_impl)
     tokens = np.asarray(tokens).reshape(-1)
-    B = state["pos"].shape[0]
+    B = state.batch
     if tokens.shape != (B,):
         raise ValueError(f"tokens must have shape [{B}] (one per row), got {tokens.shape}")
     _check_tokens(cfg, tokens)
     _check_capacity(cfg, state, np.ones((B,), np.int32))
     static = Static(cfg, collect, batch_invariant, *impls)
+    params = prepare_params(params, cfg)
     out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
                             jnp.ones((B,), jnp.int32), state, None, None,
                             jnp.asarray(compat_stale_index_k), static=static,
                             mode="exact", replay_len=1, all_logits=False)
     if collect:
         return out, state
-    return out["logits"], state
+    return out.logits, state
 
 
 def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
@@ -407,7 +609,7 @@ def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
             return_state: bool = False, attn_impl: str = "auto"):
     """Every position through every layer (the reference's semantics; the oracle).
 
-    Returns ``out`` with ``out["all_logits"]`` fp32 [B, S, V] and ``out["final_hidden"]``
+    Returns a :class:`StepOutput` with ``all_logits`` fp32 [B, S, V] and ``final_hidden``
     (and the exact-prefill state when ``return_state``). Raises ``ValueError`` as
     :func:`prefill`.
     """
@@ -416,19 +618,12 @@ def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
         raise ValueError(f"tokens must be [B, S], got shape {tokens.shape}")
     _check_image_inputs(cfg, tokens.shape, embeds_override, image_mask)
     state = st.init_state(cfg, tokens.shape[0], max(tokens.shape[1], 2))
+    params = prepare_params(params, cfg)
     out, state = prefill(params, cfg, tokens, state, mode="exact", collect=collect,
                          compat_stale_index_k=compat_stale_index_k,
                          embeds_override=embeds_override, image_mask=image_mask, all_logits=True,
                          attn_impl=attn_impl)
     return (out, state) if return_state else out
-
-
-def prepare_params(params, cfg: ModelConfig):
-    """The parameters in the form the compiled steps read fastest, prepared once at load time
-    (docs/architecture.md, "Inference state"). Pass the result to :func:`prefill`,
-    :func:`decode_step`, :func:`forward` and :func:`dsv41_jax.generation.generate`; they also
-    accept the raw checkpoint pytree."""
-    return params
 
 
 def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
@@ -441,10 +636,11 @@ def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k
     compat = jnp.asarray(compat_stale_index_k)
 
     def step(params, state, tokens):
+        params = prepare_params(params, cfg)
         B = tokens.shape[0]
         out, state = _chunk_impl(params, tokens.astype(jnp.int32)[:, None],
                                  jnp.ones((B,), jnp.int32), state, None, None, compat,
                                  static=static, mode="exact", replay_len=1, all_logits=False)
-        return out["logits"], state
+        return out.logits, state
 
     return step

@@ -1,25 +1,32 @@
-"""Inference state: explicit, fixed-capacity pytrees with real packed storage
+"""Inference state: explicit, fixed-capacity typed pytrees with real packed storage
 (docs/architecture.md, "Inference state").
 
-``init_state(cfg, batch, capacity)`` returns a dict pytree:
+``init_state(cfg, batch, capacity)`` returns an :class:`InferenceState`:
 
 * ``pos`` int32 [B]: tokens consumed per sequence.
-* ``window["L<i>"]``: every layer's SWA ring, FP8 ``kv`` e4m3 [B, W, K] + E8M0 ``scale``
-  uint8 [B, W, K/32]; slot = position mod W.
-* ``kv["L<i>"]`` for each KV source (ratio r): main KV as packed e2m1 ``main`` uint8
-  [B, L/r, K/2] + E4M3 ``main_scale`` [B, L/r, K/16]; indexer K as packed e2m1 ``index`` uint8
-  [B, L/r, J/2] + E8M0 ``index_scale`` uint8 [B, L/r, J/32]; ratio-2 sources also keep the
-  compressor tail ``tail_kv`` / ``tail_score`` fp32 [B, K] (valid iff ``pos`` is odd).
+* ``windows``: one :class:`WindowRing` per layer (its SWA ring: FP8 ``kv`` e4m3 [B, W, K] +
+  E8M0 ``scale`` uint8 [B, W, K/32]; slot = position mod W).
+* ``sources``: one :class:`KVSource` per KV source layer, keyed by the layer id: main KV as
+  packed e2m1 ``main`` uint8 [B, L/r, K/2] + E4M3 ``main_scale`` [B, L/r, K/16]; indexer K as
+  packed e2m1 ``index`` uint8 [B, L/r, J/2] + E8M0 ``index_scale`` uint8 [B, L/r, J/32]; a
+  ratio-2 source also holds its :class:`CompressorTail` (``kv`` / ``score`` fp32 [B, K], valid
+  iff ``pos`` is odd), a ratio-1 source has ``tail=None``.
 * ``engram_history`` int32 [B, max_ngram - 1]: compressed ids of the last tokens (-1 = dead or
-  before the start), oldest first (only with Engram layers).
-* ``enc_ring``: the last W encoder outputs, ``x`` bf16 [B, W, C, D] and ``pre_mix`` fp32
-  [B, W, C], slot = position mod W (only with a CED decoder), for bounded replay.
+  before the start), oldest first; ``None`` without Engram layers.
+* ``enc_ring``: an :class:`EncoderRing`, the last W encoder outputs (``x`` bf16 [B, W, C, D],
+  ``pre_mix`` fp32 [B, W, C], slot = position mod W) for bounded replay; ``None`` without a CED
+  decoder.
 
-Access goes through the small functions below (append entries, gather rows, read/write a ring)
-so that a paged layout can replace the contiguous buffers without touching the layers.
+Each layer receives only its slices (:class:`LayerState`: its window ring, the KV source it
+reads, the compressor tail it advances) and returns the ones it updates. Access to the buffers
+goes through the small functions below (append entries, gather rows, read/write a ring) so that
+a paged layout can replace the contiguous buffers without touching the layers.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +37,97 @@ from dsv41_jax.config import LayerPlan, ModelConfig
 from dsv41_jax.dtypes import BF16, F32
 
 
+def _pytree(cls):
+    """A frozen dataclass registered as a pytree whose fields are all children."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    return jax.tree_util.register_dataclass(
+        cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
+
+
+@_pytree
+class WindowRing:
+    """One layer's sliding-window ring (docs/architecture.md, "Window KV")."""
+
+    kv: Any         # float8_e4m3fn [B, W, K]
+    scale: Any      # uint8 [B, W, K/32], E8M0 per 32 channels
+
+    def replace(self, **kw) -> "WindowRing":
+        return dataclasses.replace(self, **kw)
+
+
+@_pytree
+class CompressorTail:
+    """The unfinished pair of a ratio-2 compressor (docs/architecture.md, "Compressors")."""
+
+    kv: Any         # fp32 [B, K]
+    score: Any      # fp32 [B, K]
+
+
+@_pytree
+class KVSource:
+    """One KV source's global entries: FP4 main KV and MXFP4 indexer K (docs/architecture.md,
+    "KV sources"), and its compressor tail (``None`` for ratio 1)."""
+
+    main: Any          # uint8 [B, T, K/2], two e2m1 codes per byte
+    main_scale: Any    # float8_e4m3fn [B, T, K/16]
+    index: Any         # uint8 [B, T, J/2]
+    index_scale: Any   # uint8 [B, T, J/32], E8M0
+    tail: Optional[CompressorTail] = None
+
+    def replace(self, **kw) -> "KVSource":
+        return dataclasses.replace(self, **kw)
+
+
+@_pytree
+class EncoderRing:
+    """The last W encoder outputs, for bounded replay (docs/architecture.md, "CED prefill and
+    bounded replay")."""
+
+    x: Any          # bf16 [B, W, C, D]
+    pre_mix: Any    # fp32 [B, W, C]
+
+
+@_pytree
+class InferenceState:
+    """Everything a sequence batch carries between calls (see the module docstring)."""
+
+    pos: Any                # int32 [B]
+    windows: tuple          # tuple[WindowRing, ...], one per layer
+    sources: dict           # dict[int, KVSource], keyed by the KV source layer
+    engram_history: Optional[Any] = None   # int32 [B, max_ngram - 1]
+    enc_ring: Optional[EncoderRing] = None
+
+    def replace(self, **kw) -> "InferenceState":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def batch(self) -> int:
+        return self.pos.shape[0]
+
+
+@_pytree
+class LayerState:
+    """The slices of the state one attention layer reads and updates: its window ring, the KV
+    source it reads (its own for a Full layer, an earlier one otherwise; ``None`` for SWA-only)
+    and, for a ratio-2 Full layer in the compatibility mode, the ratio-1 source's indexer K
+    (``stale_index``, ``stale_index_scale``; docs/architecture.md, "Stale indexer K in decode
+    (compatibility switch)")."""
+
+    window: WindowRing
+    source: Optional[KVSource] = None
+    stale_index: Optional[Any] = None
+    stale_index_scale: Optional[Any] = None
+
+    def replace(self, **kw) -> "LayerState":
+        return dataclasses.replace(self, **kw)
+
+
 def entry_capacity(capacity: int, ratio: int) -> int:
     """Number of global entries a ratio-``ratio`` source can hold for ``capacity`` tokens."""
     return capacity // ratio
 
 
-def init_state(cfg: ModelConfig, batch: int, capacity: int) -> dict:
+def init_state(cfg: ModelConfig, batch: int, capacity: int) -> InferenceState:
     """An empty state for ``batch`` sequences of up to ``capacity`` tokens each.
 
     Raises ``ValueError`` for a non-positive batch or capacity.
@@ -46,52 +138,48 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int) -> dict:
         raise ValueError(f"capacity must be > 0, got {capacity}")
     plan = LayerPlan.from_config(cfg)
     K, J, W = cfg.head_dim, cfg.index_head_dim, cfg.window_size
-    st: dict = {"pos": jnp.zeros((batch,), jnp.int32)}
-    st["window"] = {
-        f"L{i}": {"kv": jnp.zeros((batch, W, K), quant.E4M3),
-                  "scale": jnp.zeros((batch, W, K // 32), jnp.uint8)}
-        for i in range(cfg.n_layers)}
-    kv = {}
+    windows = tuple(WindowRing(kv=jnp.zeros((batch, W, K), quant.E4M3),
+                               scale=jnp.zeros((batch, W, K // 32), jnp.uint8))
+                    for _ in range(cfg.n_layers))
+    sources = {}
     for i in plan.kv_sources:
         r = cfg.compress_ratios[i]
         t = entry_capacity(capacity, r)
-        src = {"main": jnp.zeros((batch, t, K // 2), jnp.uint8),
-               "main_scale": jnp.zeros((batch, t, K // 16), quant.E4M3),
-               "index": jnp.zeros((batch, t, J // 2), jnp.uint8),
-               "index_scale": jnp.zeros((batch, t, J // 32), jnp.uint8)}
-        if r > 1:
-            src["tail_kv"] = jnp.zeros((batch, K), F32)
-            src["tail_score"] = jnp.full((batch, K), -jnp.inf, F32)
-        kv[f"L{i}"] = src
-    st["kv"] = kv
-    if cfg.engram_layer_ids:
-        st["engram_history"] = jnp.full((batch, cfg.engram_max_ngram_size - 1), -1, jnp.int32)
-    if plan.decoder_start < cfg.n_layers:
-        st["enc_ring"] = {"x": jnp.zeros((batch, W, cfg.hc_mult, cfg.dim), BF16),
-                          "pre_mix": jnp.zeros((batch, W, cfg.hc_mult), F32)}
-    return st
+        tail = (CompressorTail(kv=jnp.zeros((batch, K), F32),
+                               score=jnp.full((batch, K), -jnp.inf, F32)) if r > 1 else None)
+        sources[i] = KVSource(main=jnp.zeros((batch, t, K // 2), jnp.uint8),
+                              main_scale=jnp.zeros((batch, t, K // 16), quant.E4M3),
+                              index=jnp.zeros((batch, t, J // 2), jnp.uint8),
+                              index_scale=jnp.zeros((batch, t, J // 32), jnp.uint8), tail=tail)
+    hist = (jnp.full((batch, cfg.engram_max_ngram_size - 1), -1, jnp.int32)
+            if cfg.engram_layer_ids else None)
+    enc = (EncoderRing(x=jnp.zeros((batch, W, cfg.hc_mult, cfg.dim), BF16),
+                       pre_mix=jnp.zeros((batch, W, cfg.hc_mult), F32))
+           if plan.decoder_start < cfg.n_layers else None)
+    return InferenceState(pos=jnp.zeros((batch,), jnp.int32), windows=windows, sources=sources,
+                          engram_history=hist, enc_ring=enc)
 
 
-def capacity_of(state: dict, cfg: ModelConfig) -> int:
-    """Token capacity of a state (from the shapes of its largest global source)."""
-    caps = [v["main"].shape[1] * r + r - 1
-            for k, v in state["kv"].items() for r in [cfg.compress_ratios[int(k[1:])]]]
+def capacity_of(state: InferenceState, cfg: ModelConfig) -> int:
+    """Token capacity of a state (from the shapes of its global sources)."""
+    caps = [src.main.shape[1] * cfg.compress_ratios[i] + cfg.compress_ratios[i] - 1
+            for i, src in state.sources.items()]
     return min(caps) if caps else 1 << 30
 
 
 # ----------------------------------------------------------------------------- rings
 
 
-def read_ring(ring: dict) -> Float[Array, "B W K"]:
+def read_ring(ring: WindowRing) -> Float[Array, "B W K"]:
     """Dequantised window ring (bf16): exactly the reference's QDQ'd window KV."""
-    return quant.fp8_dequantize(ring["kv"], ring["scale"], 32, BF16)
+    return quant.fp8_dequantize(ring.kv, ring.scale, 32, BF16)
 
 
-def write_ring(ring: dict, kv: jax.Array, scale: jax.Array, p0: Int[Array, "B"],
-               n: Int[Array, "B"]) -> dict:
+def write_ring(ring: WindowRing, kv: jax.Array, scale: jax.Array, p0: Int[Array, "B"],
+               n: Int[Array, "B"]) -> WindowRing:
     """Write a chunk's packed window entries (positions ``p0 .. p0+n-1``) into a ring."""
-    return {"kv": write_ring_values(ring["kv"], kv, p0, n),
-            "scale": write_ring_values(ring["scale"], scale, p0, n)}
+    return WindowRing(kv=write_ring_values(ring.kv, kv, p0, n),
+                      scale=write_ring_values(ring.scale, scale, p0, n))
 
 
 def write_ring_values(ring: jax.Array, values: jax.Array, p0: Int[Array, "B"],
@@ -148,8 +236,7 @@ def global_kv_bytes_per_token(cfg: ModelConfig, capacity: int = 4096) -> float:
     """
     shapes = jax.eval_shape(lambda: init_state(cfg, 1, capacity))
     total = 0
-    for src in shapes["kv"].values():
-        for name in ("main", "main_scale", "index", "index_scale"):
-            a = src[name]
+    for src in shapes.sources.values():
+        for a in (src.main, src.main_scale, src.index, src.index_scale):
             total += a.size * a.dtype.itemsize
     return total / capacity

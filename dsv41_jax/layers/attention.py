@@ -10,8 +10,9 @@ any p0: chunked prefill), decode (S = 1) and bounded replay share this one path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,22 +30,40 @@ from pallas_kernels.sparse_attention import blocked_sink_softmax
 from pallas_kernels.sparse_attention import sparse_attention as sparse_attention_op
 
 
-class Chunk(NamedTuple):
-    """Positions of one forward over a chunk (all arrays per batch row)."""
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["positions", "valid", "p0", "n", "win_lo", "compat_stale_index_k", "freqs"],
+    meta_fields=["decode", "attn_impl", "win_width", "index_impl", "select_impl"])
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Chunk:
+    """Positions of one forward over a chunk (arrays per batch row) and the static choices of
+    the compiled program (docs/architecture.md, "Attention layer (CSA2)"). Built by keyword."""
 
-    positions: Int[Array, "B S"]   # absolute positions p0 + s
-    valid: Bool[Array, "B S"]      # s < n
-    p0: Int[Array, "B"]
-    n: Int[Array, "B"]
-    win_lo: Int[Array, "B"]        # window entries below this position are unavailable
-    # S == 1: list the window in ring order (docs/architecture.md, "Window KV")
-    decode: bool
-    compat_stale_index_k: jax.Array  # bool scalar (traced): the reference's decode index_k quirk
-    freqs: dict                    # RoPE frequencies per table kind (numpy fp32)
+    positions: Any                 # int32 [B, S]: absolute positions p0 + s
+    valid: Any                     # bool [B, S]: s < n
+    p0: Any                        # int32 [B]
+    n: Any                         # int32 [B]
+    win_lo: Any                    # int32 [B]: window entries below this position are unavailable
+    compat_stale_index_k: Any      # bool []: the reference's decode index_k quirk
+    freqs: dict                    # RoPE frequencies per table kind, fp32
+    # static: S == 1 lists the window in ring order (docs/architecture.md, "Window KV")
+    decode: bool = False
     attn_impl: str = "xla"         # sparse attention kernel family (pallas_kernels.impls)
     win_width: int = 0             # prefill window-list width (0: W); min(S, W) on a fresh prefill
     index_impl: str = "xla"        # indexer scores kernel family (pallas_kernels.impls)
     select_impl: str = "xla"       # indexer top-k kernel family (pallas_kernels.impls)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["topk", "candidates"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Bus:
+    """Values a forward passes from layer to layer (docs/architecture.md, "Layer schedule"):
+    ``topk`` int32 [B, S, k], the latest index source's selections (-1 = none), and
+    ``candidates`` bool [B, S, T], the candidate pool (``None`` before the candidate source)."""
+
+    topk: Any
+    candidates: Any = None
 
 
 # ----------------------------------------------------------------------------- sparse attention
@@ -97,13 +116,13 @@ def window_list(ch: Chunk, W: int) -> tuple[Int[Array, "B S W"], Bool[Array, "B 
 # ----------------------------------------------------------------------------- the layer
 
 
-def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk, src: dict):
-    """Compress the chunk, derive indexer K, RoPE + FP4-pack both and append them
-    (docs/architecture.md, "KV sources")."""
+def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk,
+                     src: st.KVSource) -> st.KVSource:
+    """Compress the chunk, derive indexer K, RoPE + FP4-pack both and append them to ``src``
+    (docs/architecture.md, "KV sources"). ``x`` bf16 [B, S, D], the attention input."""
     r = role.ratio
-    tail = {k: src[k] for k in ("tail_kv", "tail_score")} if r > 1 else None
-    lat, ids, valid, new_tail = compressor.compress(x, p["compressor"], r, ch.p0, ch.n, tail,
-                                                    cfg.norm_eps)
+    lat, ids, valid, new_tail = compressor.compress(x, p["compressor"], r, ch.p0, ch.n,
+                                                    src.tail if r > 1 else None, cfg.norm_eps)
     cos, sin = rope_angles(ids * r, ch.freqs[role.rope])
     # indexer keys come from the un-rotated, un-quantised latent
     # (docs/architecture.md, "KV sources")
@@ -113,31 +132,29 @@ def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk, s
     ik_packed, ik_scale = fp4.quantize_pack(ik.astype(BF16), "index", impl=codec)
     mk = apply_rope(lat, cos, sin)
     mk_packed, mk_scale = fp4.quantize_pack(mk.astype(BF16), "main", impl=codec)
-    new = dict(src)
-    new["main"] = st.append_entries(src["main"], mk_packed, ids, valid)
-    new["main_scale"] = st.append_entries(src["main_scale"], mk_scale, ids, valid)
-    new["index"] = st.append_entries(src["index"], ik_packed, ids, valid)
-    new["index_scale"] = st.append_entries(src["index_scale"], ik_scale, ids, valid)
-    if new_tail is not None:
-        new.update(new_tail)
-    return new
+    return st.KVSource(
+        main=st.append_entries(src.main, mk_packed, ids, valid),
+        main_scale=st.append_entries(src.main_scale, mk_scale, ids, valid),
+        index=st.append_entries(src.index, ik_packed, ids, valid),
+        index_scale=st.append_entries(src.index_scale, ik_scale, ids, valid),
+        tail=new_tail if r > 1 else src.tail)
 
 
 def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConfig, ch: Chunk,
-              state: dict, bus: dict, *, skip_kv_update: bool = False, record: dict | None = None):
+              ls: st.LayerState, bus: Bus, *, skip_kv_update: bool = False,
+              record: dict | None = None) -> tuple[Float[Array, "B S D"], st.LayerState, Bus]:
     """One CSA2 attention sublayer over a chunk.
 
     Args:
       p: the layer's ``attn`` params.
       x: bf16 [B, S, D], ``attn_norm(hc_pre(streams, pre_mix))``.
-      state: the whole inference state; this layer updates its window ring and, for a KV
-        source, its main KV / indexer K / tail.
-      bus: transient values of this forward: ``topk`` (latest index source's selections,
-        int32 [B, S, k], -1 = none) and ``candidates`` (bool [B, S, T]).
+      ls: the layer's slices of the state: its window ring (updated), the KV source it reads
+        (its main KV / indexer K / tail updated when the layer owns it).
+      bus: the :class:`Bus` of this forward (top-k selections, candidate pool).
       skip_kv_update: a KV source whose entries were already appended (CED bounded replay).
       record: if a dict, intermediates (top-k rows, scores, candidates) are stored in it.
 
-    Returns ``(out bf16 [B, S, D], state, bus)``. See docs/architecture.md,
+    Returns ``(out bf16 [B, S, D], ls, bus)`` with the updated slices. See docs/architecture.md,
     "Attention layer (CSA2)" and its sections.
     """
     B, S, _ = x.shape
@@ -152,26 +169,23 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     kv = apply_rope(kv, cos, sin)
     kv_codes, kv_scale = quant.fp8_quantize(kv, 32)
     kv = quant.fp8_dequantize(kv_codes, kv_scale, 32, BF16)
-    name = f"L{role.layer}"
-    ring = state["window"][name]
+    ring = ls.window
     widx, wok = window_list(ch, W)
     src = topk = None
     if role.ratio > 0:
-        kvname = f"L{role.kv_layer}"
         if role.owns_kv and not skip_kv_update:
-            state = dict(state, kv=dict(state["kv"], **{kvname: kv_source_update(
-                p, x, role, cfg, ch, state["kv"][kvname])}))
-        src = state["kv"][kvname]
+            ls = ls.replace(source=kv_source_update(p, x, role, cfg, ch, ls.source))
+        src = ls.source
         if role.owns_index:
-            bus = _index(p, x, qr, role, cfg, ch, state, bus, cos, sin, record)
-        topk = bus["topk"]
+            bus = _index(p, x, qr, role, cfg, ch, ls, bus, cos, sin, record)
+        topk = bus.topk
 
     if ch.attn_impl == "xla":
         win_all = jnp.concatenate([st.read_ring(ring), kv], axis=1)        # [B, W+S, K]
         rows, oks = [st.gather_entries(win_all, widx)], [wok]
         if src is not None:
-            g_rows = st.gather_entries(src["main"], topk)
-            g_scale = st.gather_entries(src["main_scale"], topk)
+            g_rows = st.gather_entries(src.main, topk)
+            g_scale = st.gather_entries(src.main_scale, topk)
             rows.append(st.dequant_main_kv(g_rows, g_scale))
             oks.append(topk >= 0)
         kv_list = jnp.concatenate(rows, axis=2)
@@ -182,10 +196,10 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
         # chunk's rows) and the FP4 main KV, through index lists with -1 = no entry
         qv = ch.valid[..., None]
         o, _ = sparse_attention_op(
-            q, jnp.concatenate([ring["kv"], kv_codes], axis=1),
-            jnp.concatenate([ring["scale"], kv_scale], axis=1),
+            q, jnp.concatenate([ring.kv, kv_codes], axis=1),
+            jnp.concatenate([ring.scale, kv_scale], axis=1),
             jnp.where(wok & qv, widx, -1),
-            None if src is None else src["main"], None if src is None else src["main_scale"],
+            None if src is None else src.main, None if src is None else src.main_scale,
             None if src is None else jnp.where(qv, topk, -1),
             p["attn_sink"].astype(F32), scale=K ** -0.5, impl=ch.attn_impl)
     # output (docs/architecture.md, "Output projection"): inverse RoPE, grouped wo_a, wo_b
@@ -195,30 +209,27 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     u = jnp.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1), wo_a,
                    preferred_element_type=F32).astype(BF16)
     out = linear(u.reshape(B, S, -1), p["wo_b"])
-    new_ring = st.write_ring(ring, kv_codes, kv_scale, ch.p0, ch.n)
-    state = dict(state, window=dict(state["window"], **{name: new_ring}))
-    return out, state, bus
+    ls = ls.replace(window=st.write_ring(ring, kv_codes, kv_scale, ch.p0, ch.n))
+    return out, ls, bus
 
 
-def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, state, bus, cos, sin, record):
+def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, ls: st.LayerState, bus: Bus,
+           cos, sin, record) -> Bus:
     """Index source: scores over the shared indexer K, candidate pool, top-k
     (docs/architecture.md, "Indexer" and "Candidate pool")."""
     r = role.ratio
-    src = state["kv"][f"L{role.kv_layer}"]
-    codes, scale = src["index"], src["index_scale"]
+    codes, scale = ls.source.index, ls.source.index_scale
     visible = (ch.positions + 1) // r
     if ch.decode and role.owns_kv and r > 1:
         # Reference decode quirk (docs/architecture.md,
         # "Stale indexer K in decode (compatibility switch)"): on even positions no latent is
         # produced, so the module-global index_k still holds the ratio-1 source's cache of the
         # previous forward.
-        stale = [k for k, v in state["kv"].items() if "tail_kv" not in v]
-        if stale:
-            s1 = state["kv"][stale[0]]
+        if ls.stale_index is not None:
             t = codes.shape[1]
             even = ((jnp.mod(ch.p0, 2) == 0) & ch.compat_stale_index_k)[:, None, None]
-            codes = jnp.where(even, s1["index"][:, :t], codes)
-            scale = jnp.where(even, s1["index_scale"][:, :t], scale)
+            codes = jnp.where(even, ls.stale_index[:, :t], codes)
+            scale = jnp.where(even, ls.stale_index_scale[:, :t], scale)
     qi, w = indexer.index_queries(x, qr, p["indexer"], cfg, cos, sin)
     # scores straight from the packed FP4 indexer K (XLA: dequantise it all, then score)
     score = index_kernels.index_scores(qi, w, codes, scale, visible, impl=ch.index_impl)
@@ -228,13 +239,13 @@ def _index(p, x, qr, role: LayerRole, cfg: ModelConfig, ch: Chunk, state, bus, c
                   functools.partial(index_kernels.select_topk, impl=ch.select_impl))
         cand, bscore = indexer.candidate_pool(score, visible, cfg.candidate_topk_blocks,
                                               cfg.candidate_block_size, select=select)
-        bus = dict(bus, candidates=cand)
+        bus = dataclasses.replace(bus, candidates=cand)
         if record is not None:
             record["candidates"], record["candidate_block_score"] = cand, bscore
     if role.uses_candidates:
-        score = jnp.where(bus["candidates"], score, -jnp.inf)
+        score = jnp.where(bus.candidates, score, -jnp.inf)
     # with the GPU kernels: the one-kernel selection (same picks as the sort)
     topk = index_kernels.select_topk(score, cfg.index_topk, impl=ch.select_impl)
     if record is not None:
         record["index_score"], record["index_topk"] = score, topk
-    return dict(bus, topk=topk)
+    return dataclasses.replace(bus, topk=topk)

@@ -13,17 +13,19 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from dsv41_jax.layers.linear import linear, rms_norm
+from dsv41_jax.state import CompressorTail
 from dsv41_jax.dtypes import BF16, F32
 
 
 def compress(x: Float[Array, "B S D"], p: dict, ratio: int, p0: Int[Array, "B"], n: Int[Array, "B"],
-             tail: dict | None, eps: float):
+             tail: CompressorTail | None, eps: float):
     """Latents completed by this chunk.
 
     Args:
       x: bf16 [B, S, D] attention input of the chunk (positions ``p0 + s``; ``s < n`` valid).
       p: compressor params ``wkv`` (and ``wgate`` for ratio 2), ``norm``.
-      tail: ``{"tail_kv", "tail_score"}`` fp32 [B, K] for ratio 2 (valid iff ``p0`` is odd).
+      tail: the :class:`~dsv41_jax.state.CompressorTail` (fp32 [B, K] kv and score) for ratio 2
+        (valid iff ``p0`` is odd); ``None`` for ratio 1.
 
     Returns ``(latent bf16 [B, G, K], entry_ids int32 [B, G], valid bool [B, G], new_tail)``:
     entry ``j`` stands for tokens ``j*ratio ..`` and is rotated at position ``j*ratio``.
@@ -38,8 +40,8 @@ def compress(x: Float[Array, "B S D"], p: dict, ratio: int, p0: Int[Array, "B"],
         raise ValueError(f"compress ratio {ratio} is not supported (1 or 2)")
     kv = linear(x, p["wkv"])             # fp32 weights -> fp32 [B, S, K]
     sc = linear(x, p["wgate"])
-    ext_kv = jnp.concatenate([tail["tail_kv"][:, None], kv], axis=1)     # [B, S+1, K]
-    ext_sc = jnp.concatenate([tail["tail_score"][:, None], sc], axis=1)  # index 0 = pos p0-1
+    ext_kv = jnp.concatenate([tail.kv[:, None], kv], axis=1)     # [B, S+1, K]
+    ext_sc = jnp.concatenate([tail.score[:, None], sc], axis=1)  # index 0 = pos p0-1
     G = S // 2 + 1
     e = jnp.mod(p0, 2)
     first = (1 - e)[:, None] + 2 * jnp.arange(G, dtype=jnp.int32)[None, :]   # [B, G]
@@ -58,10 +60,7 @@ def compress(x: Float[Array, "B S D"], p: dict, ratio: int, p0: Int[Array, "B"],
     lat = rms_norm(pooled.astype(BF16), p["norm"]["weight"], eps)
     odd = jnp.mod(p0 + n, 2) == 1
     last = jnp.clip(n, 0, S)[:, None, None]
-    new_tail = {
-        "tail_kv": jnp.where(odd[:, None], jnp.take_along_axis(ext_kv, last, 1)[:, 0],
-                             tail["tail_kv"]),
-        "tail_score": jnp.where(odd[:, None], jnp.take_along_axis(ext_sc, last, 1)[:, 0],
-                                tail["tail_score"]),
-    }
+    new_tail = CompressorTail(
+        kv=jnp.where(odd[:, None], jnp.take_along_axis(ext_kv, last, 1)[:, 0], tail.kv),
+        score=jnp.where(odd[:, None], jnp.take_along_axis(ext_sc, last, 1)[:, 0], tail.score))
     return lat, ids, valid, new_tail

@@ -8,6 +8,9 @@ and dequantised on use (docs/architecture.md, "Quantised linears"):
 * ``uint8`` weight (packed e2m1, two per byte) + E8M0 ``scale [out, in/32]``: the same with FP4.
 * ``bfloat16`` weight: plain ``x @ W.T`` with fp32 accumulation, bf16 out (no act-quant).
 * ``float32`` weight: plain fp32 GEMM (the input is cast to fp32).
+* ``{"dq": bf16 [out, in]}``: an FP8 linear dequantised once at load time
+  (:func:`dsv41_jax.model.prepare_params`): the input is still FP8 act-quantised, so the result
+  is the FP8 linear's.
 
 Because fp8/fp4 values times a power of two are exact in bf16, ``dot(QDQ(x), dequant(W))``
 reproduces the reference up to summation order inside a 32-block.
@@ -25,6 +28,8 @@ from dsv41_jax.dtypes import BF16, F32, HIGHEST
 
 def dequant_weight(p: dict, dtype=BF16) -> jax.Array:
     """The weight of a linear parameter dict as ``dtype`` ``[..., out, in]``."""
+    if "dq" in p:
+        return p["dq"].astype(dtype)
     w = p["weight"]
     if w.dtype == jnp.float8_e4m3fn:
         return quant.dequant_fp8_weight(w, p["scale"], 32, dtype)
@@ -34,7 +39,8 @@ def dequant_weight(p: dict, dtype=BF16) -> jax.Array:
 
 
 def is_quantized(p: dict) -> bool:
-    return p["weight"].dtype in (jnp.float8_e4m3fn, jnp.uint8)
+    """Whether the linear quantises its input (an FP8 or FP4 weight, stored or prepared)."""
+    return "dq" in p or p["weight"].dtype in (jnp.float8_e4m3fn, jnp.uint8)
 
 
 def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
@@ -43,8 +49,8 @@ def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
 
     Returns bf16, except for an fp32 weight, which returns fp32.
     """
-    w = p["weight"]
-    if w.dtype == F32:
+    w = p.get("weight")
+    if w is not None and w.dtype == F32:
         return jnp.einsum("...i,oi->...o", x.astype(F32), w, precision=HIGHEST,
                           preferred_element_type=F32)
     if is_quantized(p):

@@ -68,24 +68,50 @@ def expert(x: Float[Array, "N D"], p: dict, limit: float,
     return linear(a.astype(BF16), p["w2"])
 
 
+def _routed_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
+                    w: Float[Array, "N k"], limit: float) -> Float[Array, "N D"]:
+    """The routed experts of each token, gathered: fp32 sum in increasing expert id."""
+    N, k = idx.shape
+    order = jnp.argsort(idx, axis=-1)
+    ids = jnp.take_along_axis(idx, order, axis=-1)
+    ws = jnp.take_along_axis(w, order, axis=-1)
+
+    def one_token(xt, ids_t, ws_t):
+        pe = jax.tree.map(lambda a: a[ids_t], experts)          # k experts' packed weights
+        return jax.vmap(lambda pe_j, w_j: expert(xt[None], pe_j, limit, w_j[None])[0])(pe, ws_t)
+
+    ys = jax.vmap(one_token)(x, ids, ws)                        # bf16 [N, k, D]
+    acc = jnp.zeros(x.shape, F32)
+    for j in range(k):
+        acc = acc + ys[:, j].astype(F32)
+    return acc
+
+
 def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
         n_active: int | None = None) -> tuple[Float[Array, "N D"], Int[Array, "N k"], Float[Array, "N k"]]:
     """MoE sublayer on flattened tokens: ``(bf16 output, expert ids, routing weights)``.
 
-    Routed experts run densely over the stacked expert axis (a ``lax.scan`` in increasing
-    expert id, non-routed tokens carry weight 0 and contribute an exact 0), which reproduces the
-    reference's fp32 accumulation order bit for bit. See docs/architecture.md,
-    "Mixture of experts".
+    When the tokens route to fewer (token, expert) pairs than there are experts
+    (``N * k < E``, e.g. a decode step of a small batch), each token runs only its ``k``
+    experts, their packed weights gathered; otherwise the routed experts run densely over the
+    stacked expert axis (a ``lax.scan`` in increasing expert id, non-routed tokens carry weight
+    0 and contribute an exact 0). Both reproduce the reference's fp32 accumulation order
+    (increasing expert id, the shared expert last, one bf16 rounding) bit for bit. See
+    docs/architecture.md, "Mixture of experts".
     """
     k = n_active or cfg.n_activated_experts
     idx, w = gate(x, p["gate"], cfg, image_mask, k)
     n_exp = p["gate"]["weight"].shape[0]
-    dense_w = jnp.zeros((x.shape[0], n_exp), F32).at[jnp.arange(x.shape[0])[:, None], idx].add(w)
+    if x.shape[0] * k < n_exp:
+        acc = _routed_experts(x, p["experts"], idx, w, cfg.swiglu_limit)
+    else:
+        dense_w = jnp.zeros((x.shape[0], n_exp), F32).at[
+            jnp.arange(x.shape[0])[:, None], idx].add(w)
 
-    def body(acc, args):
-        pe, we = args
-        return acc + expert(x, pe, cfg.swiglu_limit, we).astype(F32), None
+        def body(acc, args):
+            pe, we = args
+            return acc + expert(x, pe, cfg.swiglu_limit, we).astype(F32), None
 
-    acc, _ = jax.lax.scan(body, jnp.zeros(x.shape, F32), (p["experts"], dense_w.T))
+        acc, _ = jax.lax.scan(body, jnp.zeros(x.shape, F32), (p["experts"], dense_w.T))
     acc = acc + expert(x, p["shared_experts"], cfg.swiglu_limit).astype(F32)
     return acc.astype(BF16), idx, w
