@@ -506,8 +506,21 @@ def _check_image_inputs(cfg: ModelConfig, shape: tuple[int, int], embeds_overrid
                          f"{e_dtype}; cast it with .astype(jnp.bfloat16)")
 
 
+def host_positions(state: st.InferenceState) -> np.ndarray:
+    """``state.pos`` as a host array, without a device-to-host read when the state came from
+    :func:`prefill`, :func:`decode_step` or :func:`dsv41_jax.generation.generate` (they attach
+    the positions they know on the host to the state object they return, outside the pytree)."""
+    known = getattr(state, "_host_pos", None)
+    return known if known is not None else np.asarray(state.pos)
+
+
+def _with_host_positions(state: st.InferenceState, pos: np.ndarray) -> st.InferenceState:
+    object.__setattr__(state, "_host_pos", np.asarray(pos, np.int32))
+    return state
+
+
 def _check_capacity(cfg, state, new: np.ndarray):
-    pos = np.asarray(state.pos)
+    pos = host_positions(state)
     cap = st.capacity_of(state, cfg)
     over = pos + new
     if (over > cap).any():
@@ -569,13 +582,16 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     _check_tokens(cfg, np.where(np.arange(S)[None] < lengths[:, None], tokens, 0))
     _check_image_inputs(cfg, (B, S), embeds_override, image_mask)
     _check_capacity(cfg, state, lengths)
-    fresh = not np.asarray(state.pos).any()
+    pos = host_positions(state)
+    fresh = not pos.any()
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
     static = Static(cfg, collect, batch_invariant, *kernel_impls(cfg, attn_impl))
     params = prepare_params(params, cfg)
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
-    return _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override, image_mask,
-                      jnp.asarray(compat_stale_index_k), static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
+    out, state = _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override,
+                            image_mask, jnp.asarray(compat_stale_index_k), static=static,
+                            mode=mode, replay_len=replay_len, all_logits=all_logits)
+    return out, _with_host_positions(state, pos + lengths)
 
 
 def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k: bool = False,
@@ -585,6 +601,11 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
     Args: ``tokens`` int [B]; ``attn_impl`` as in :func:`prefill`. Returns
     ``(logits fp32 [B, V], state)`` (the state is donated). Raises ``ValueError`` for a token
     outside [0, vocab), a batch mismatch, a full state or an unknown attn_impl.
+
+    The checks read nothing back from the device when the tokens are host data and the state
+    came from this module (:func:`host_positions`), so consecutive steps queue on the device;
+    token ids given as device arrays are read back for their range check. A loop of steps that
+    stays on the device: :func:`dsv41_jax.generation.generate`.
     """
     impls = kernel_impls(cfg, attn_impl)
     tokens = np.asarray(tokens).reshape(-1)
@@ -595,10 +616,12 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
     _check_capacity(cfg, state, np.ones((B,), np.int32))
     static = Static(cfg, collect, batch_invariant, *impls)
     params = prepare_params(params, cfg)
+    pos = host_positions(state)
     out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
                             jnp.ones((B,), jnp.int32), state, None, None,
                             jnp.asarray(compat_stale_index_k), static=static,
                             mode="exact", replay_len=1, all_logits=False)
+    state = _with_host_positions(state, pos + 1)
     if collect:
         return out, state
     return out.logits, state
