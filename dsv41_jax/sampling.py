@@ -1,28 +1,101 @@
-"""Sampling: greedy at temperature 0, else the Gumbel-max form of softmax sampling.
+"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus), in pure ``jnp``.
 
-See docs/architecture.md, "Norms, embedding and head".
+:func:`sample` is traceable (use it inside ``jax.jit`` / ``lax.while_loop``); its
+:class:`SamplingParams` are static Python values, so a jitted caller compiles once per setting.
+The order of the filters: the logits are divided by the temperature, the top-k filter keeps the
+``top_k`` largest, the top-p filter keeps the smallest prefix of the remaining tokens sorted by
+probability whose probability (renormalised over the remaining tokens) reaches ``top_p``, and one
+token is drawn with ``jax.random.categorical``. Temperature 0 is ``argmax`` (no key used).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from dsv41_jax.dtypes import F32
 
-def sample(logits: Float[Array, "B V"], temperature: float, key: jax.Array | None = None
-           ) -> Int[Array, "B"]:
-    """Next token per row: ``argmax`` at temperature 0, else ``argmax(probs / E)``, E ~ Exp(1).
 
-    ``probs = softmax(logits / max(T, 1e-5))`` in fp32. Raises ``ValueError`` for T < 0 or a
-    missing ``key`` when T > 0.
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How :func:`sample` picks a token (static: hashable, a pytree without leaves).
+
+    Fields:
+      temperature: float >= 0, finite. 0: greedy (``argmax``; ``top_k`` and ``top_p`` are then
+        irrelevant). Default 0.
+      top_k: int >= 0. Keep the ``top_k`` most likely tokens (0: off; 1: greedy at any
+        temperature; a value >= the vocabulary is off). Default 0.
+      top_p: float in (0, 1]. Keep the most likely tokens until their probability reaches
+        ``top_p`` (at least one token; 1: off). Default 1.
+
+    Raises ``ValueError`` naming the field for a value of the wrong type or out of range.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0:
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
+                or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1] (1: off), got {p!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+
+    @property
+    def greedy(self) -> bool:
+        """True when :func:`sample` is ``argmax`` (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _sorted_desc(x: Float[Array, "B V"], k: int) -> tuple[Float[Array, "B K"], Int[Array, "B K"]]:
+    """The ``k`` largest values of each row, largest first, and their indices (ties: lower index
+    first)."""
+    if k < x.shape[-1]:
+        vals, idx = jax.lax.top_k(x, k)
+        return vals, idx.astype(jnp.int32)
+    idx = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+    neg, idx = jax.lax.sort((-x, idx), dimension=-1, num_keys=1, is_stable=True)
+    return -neg, idx
+
+
+def sample(logits: Float[Array, "B V"], key: jax.Array | None,
+           params: SamplingParams = SamplingParams()) -> Int[Array, "B"]:
+    """One token per row from ``logits`` (fp32 [B, V]; other float dtypes are cast to fp32).
+
+    Greedy (``params.greedy``): ``argmax`` (the lowest index among equal maxima), ``key``
+    unused and may be ``None``. Otherwise, in fp32: ``x = logits / temperature``; with
+    ``top_k`` (``0 < top_k < V``) all but the ``top_k`` largest of ``x`` are dropped; with
+    ``top_p < 1`` the remaining tokens are sorted by probability (``softmax`` over them) and a
+    token is kept when the probability of the tokens before it is below ``top_p`` (so the most
+    likely token always stays); then ``jax.random.categorical(key, x)`` over the kept tokens.
+
+    Returns int32 [B]. Raises ``ValueError`` when ``key`` is ``None`` and the sampling is not
+    greedy.
+    """
+    if params.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if key is None:
-        raise ValueError("sampling with temperature > 0 needs a PRNG key")
-    probs = jax.nn.softmax(logits.astype(jnp.float32) / max(temperature, 1e-5), axis=-1)
-    e = jax.random.exponential(key, probs.shape, jnp.float32)
-    return jnp.argmax(probs / e, axis=-1).astype(jnp.int32)
+        raise ValueError("key: sampling with temperature > 0 (and top_k != 1) needs a PRNG key")
+    x = logits.astype(F32) / jnp.float32(params.temperature)
+    V = x.shape[-1]
+    k = params.top_k if 0 < params.top_k < V else V
+    if k == V and params.top_p == 1.0:
+        return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+    vals, idx = _sorted_desc(x, k)
+    if params.top_p < 1.0:
+        probs = jax.nn.softmax(vals, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        vals = jnp.where(before < jnp.float32(params.top_p), vals, -jnp.inf)
+    choice = jax.random.categorical(key, vals, axis=-1)
+    return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)

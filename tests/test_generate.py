@@ -1,19 +1,206 @@
-"""The generate command (:mod:`dsv41_jax.cli.generate`): the main job end to end on the small
-config with random weights, and its refusals of bad options (exit status 2, one line, before
-anything is built)."""
+"""Generation: the on-device loop (:func:`dsv41_jax.generation.generate`) against a Python
+loop of ``decode_step`` on the small config with random weights, EOS, its refusals; the chat
+format and stop strings (:mod:`dsv41_jax.chat`); the generate command
+(:mod:`dsv41_jax.cli.generate`) end to end and its refusals of bad options (exit status 2, one
+line, before anything is built).
+
+The generation tests share one compiled loop (batch 2, capacity 64, 5 new tokens, greedy), and
+the command's batch test has the same shapes, so it reuses the loop and the prefill."""
 
 import json
 import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from dsv41_jax import chat, generation, model, random_weights, state as st, tokenizer
 from dsv41_jax.cli import generate
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.sampling import SamplingParams
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 FLASH = os.path.join(ROOT, "configs", "flash.json")
 SMALL = os.path.join(ROOT, "configs", "small.json")
+N_NEW = 5
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_cache(monkeypatch):
+    """The command's default persistent compilation cache off (it would write to ~/.cache)."""
+    monkeypatch.setenv("DSV41_JAX_CACHE_DIR", "none")
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """Small config, seeded random weights, a prefilled batch of 2 (10 and 6 prompt tokens,
+    capacity 64), its last logits, and the greedy reference: ``N_NEW`` tokens per row from a
+    Python loop of ``model.decode_step`` + argmax, int [2, N_NEW]. The state is never donated:
+    tests use copies."""
+    cfg = ModelConfig.from_json(SMALL)
+    params = random_weights.random_params_device(cfg, seed=0)
+    toks = np.zeros((2, 16), np.int32)
+    toks[0, :10] = np.arange(100, 110)
+    toks[1, :6] = np.arange(2000, 2600, 100)
+    out, state = model.prefill(params, cfg, toks, st.init_state(cfg, 2, 64), [10, 6])
+    logits = out["logits"]
+    s, ref = _copy(state), []
+    nxt = np.asarray(logits).argmax(-1)
+    for i in range(N_NEW):
+        ref.append(nxt)
+        if i < N_NEW - 1:
+            lg, s = model.decode_step(params, cfg, s, nxt)
+            nxt = np.asarray(lg).argmax(-1)
+    return dict(cfg=cfg, params=params, state=state, logits=logits, ref=np.stack(ref, 1),
+                ref_state=s)
+
+
+def test_greedy_generate_equals_a_decode_step_loop(small):
+    """Tokens bitwise those of the Python loop; every row runs to max_new_tokens; the state
+    holds all generated tokens but the last (the reference loop's state, bitwise)."""
+    cfg = small["cfg"]
+    res = generation.generate(small["params"], cfg, _copy(small["state"]), small["logits"],
+                              max_new_tokens=N_NEW)
+    assert isinstance(res, generation.GenerationResult)
+    assert res.tokens.dtype == jnp.int32 and res.tokens.shape == (2, N_NEW)
+    np.testing.assert_array_equal(res.tokens, small["ref"])
+    np.testing.assert_array_equal(res.lengths, [N_NEW, N_NEW])
+    np.testing.assert_array_equal(res.state["pos"], [10 + N_NEW - 1, 6 + N_NEW - 1])
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(res.state),
+                            jax.tree.leaves(small["ref_state"])):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
+                                      np.asarray(b).view(np.uint8),
+                                      err_msg=jax.tree_util.keystr(path))
+
+
+def test_eos_ends_a_row(small):
+    """EOS = row 0's third greedy token: row 0 stops there (EOS included, -1 after), row 1
+    runs on unchanged (unless it meets the same id); the loop runs max(lengths) - 1 steps."""
+    ref = small["ref"]
+    eos = int(ref[0, 2])
+    res = generation.generate(small["params"], small["cfg"], _copy(small["state"]),
+                              small["logits"], max_new_tokens=N_NEW, eos_ids=[eos])
+    want_len = [list(r).index(eos) + 1 if eos in r else N_NEW for r in ref]
+    assert want_len[0] == 3
+    np.testing.assert_array_equal(res.lengths, want_len)
+    for b, n in enumerate(want_len):
+        np.testing.assert_array_equal(res.tokens[b, :n], ref[b, :n])
+        assert (np.asarray(res.tokens[b, n:]) == -1).all()
+    steps = max(want_len) - 1
+    np.testing.assert_array_equal(res.state["pos"], [10 + steps, 6 + steps])
+
+
+def test_every_row_done_early_stops_the_loop(small):
+    """EOS ids covering both rows' second token: lengths 2 and 2, one model step."""
+    ref = small["ref"]
+    res = generation.generate(small["params"], small["cfg"], _copy(small["state"]),
+                              small["logits"], max_new_tokens=N_NEW,
+                              eos_ids=(int(ref[0, 1]), int(ref[1, 1])))
+    want = [min(list(r).index(e) for e in (ref[0, 1], ref[1, 1]) if e in r) + 1 for r in ref]
+    assert max(want) == 2
+    np.testing.assert_array_equal(res.lengths, want)
+    np.testing.assert_array_equal(res.state["pos"], [11, 7])
+
+
+@pytest.mark.annotations_unchecked
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_new_tokens=55), "max_new_tokens=55: row 0 holds 10 tokens and the state's "
+                              "capacity is 64, so at most 54 new tokens fit"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+    (dict(max_new_tokens=2.0), "max_new_tokens must be an integer >= 1"),
+    (dict(logits=np.zeros((2, 100), np.float32)),
+     r"logits must have shape \[B, V\] = \[2, 129280\].*got \[2, 100\]"),
+    (dict(logits=np.zeros((3, 129280), np.float32)), r"the state holds 2 rows.*got \[3, 129280\]"),
+    (dict(eos_ids=[129280]), r"eos_ids: 129280 is not a token id in \[0, vocab_size=129280\)"),
+    (dict(eos_ids=[-1]), "eos_ids: -1 is not a token id"),
+    (dict(attn_impl="triton"), "attn_impl='triton' is now attn_impl='gpu'"),
+    (dict(sampling=0.5), "sampling must be a SamplingParams"),
+    (dict(seed="x"), "seed must be an integer"),
+])
+def test_generate_refusals_leave_the_state_untouched(small, kw, match):
+    state = _copy(small["state"])
+    kw = dict(dict(max_new_tokens=N_NEW, logits=small["logits"]), **kw)
+    with pytest.raises(ValueError, match=match):
+        generation.generate(small["params"], small["cfg"], state, **kw)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(small["state"])):
+        assert not a.is_deleted()
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_length_buckets_and_bucket_length():
+    assert generation.length_buckets(256) == (16, 32, 64, 128, 256)
+    assert generation.length_buckets(100) == (16, 32, 64, 100)
+    assert generation.length_buckets(16) == (16,)
+    assert generation.length_buckets(8) == (8,)
+    assert generation.length_buckets(40, smallest=10) == (16, 32, 40)
+    b = generation.length_buckets(256)
+    assert [generation.bucket_length(n, b) for n in (1, 16, 17, 100, 129, 256)] == \
+        [16, 16, 32, 128, 256, 256]
+    with pytest.raises(ValueError, match="n=257 is above the largest bucket 256"):
+        generation.bucket_length(257, b)
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        generation.bucket_length(0, b)
+    with pytest.raises(ValueError, match="buckets must be a non-empty list"):
+        generation.bucket_length(3, [])
+    with pytest.raises(ValueError, match="limit must be >= 1, got 0"):
+        generation.length_buckets(0)
+
+
+# ----------------------------------------------------------------------------- chat format
+
+
+def test_chat_format_and_its_tokens():
+    tok = tokenizer.load_tokenizer()
+    ids = chat.check_special_tokens(tok)
+    assert ids == {chat.BOS_TOKEN: 0, chat.EOS_TOKEN: 1, chat.USER_TOKEN: 128803,
+                   chat.ASSISTANT_TOKEN: 128804, chat.THINK_START: 128821,
+                   chat.THINK_END: 128822}
+    assert chat.eos_id(tok) == tokenizer.EOS_ID == 1
+    assert chat.format_chat("Hi", thinking=False) == \
+        "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
+    assert chat.format_chat("Hi", thinking=True, system="Be brief.") == \
+        "<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hi<｜Assistant｜><think>"
+    for thinking, last in ((False, 128822), (True, 128821)):
+        got = chat.chat_ids(tok, "Hello world", thinking=thinking, system="S")
+        assert got[0] == 0 and got.count(0) == 1 and got[-1] == last
+        assert got[-2] == 128804 and 128803 in got
+        body = tokenizer.encode(tok, "Hello world", bos=False)
+        i = got.index(128803)
+        assert got[i + 1:i + 1 + len(body)] == body
+
+
+@pytest.mark.parametrize("user, system, match", [
+    ("a<｜User｜>b", None, "user_text contains the special token '<｜User｜>'"),
+    ("a<｜begin▁of▁sentence｜>", None, "user_text contains the special token"),
+    ("a", "x<｜Assistant｜>", "system contains the special token '<｜Assistant｜>'"),
+])
+def test_chat_refuses_special_tokens_in_the_text(user, system, match):
+    with pytest.raises(ValueError, match=match):
+        chat.format_chat(user, thinking=False, system=system)
+
+
+def test_truncate_at_stop():
+    assert chat.truncate_at_stop("abc END def", ["END"]) == ("abc ", True)
+    assert chat.truncate_at_stop("abc END d\n\nx", ["\n\n", "END"]) == ("abc ", True)
+    assert chat.truncate_at_stop("abc d\n\nx END", ["END", "\n\n"]) == ("abc d", True)
+    assert chat.truncate_at_stop("abc", ["x"]) == ("abc", False)
+    assert chat.truncate_at_stop("abc", []) == ("abc", False)
+    assert chat.truncate_at_stop("STOP", ["STOP"]) == ("", True)
+    with pytest.raises(ValueError, match="stops: '' is not a non-empty string"):
+        chat.truncate_at_stop("abc", [""])
+
+
+# ----------------------------------------------------------------------------- command
 
 
 def test_generate_end_to_end(tmp_path, capsys):
@@ -24,11 +211,58 @@ def test_generate_end_to_end(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "SEEDED RANDOM WEIGHTS" in text
     assert "time to first token" in text and "tokens/s" in text and "nan" not in text
+    assert "prefill in 1 call of width 32; state capacity 64" in text
     assert "global KV source layer 2 (ratio 2)" in text
     rec = json.loads(out_json.read_text())
-    assert rec["prompt_tokens"] == 32 and len(rec["generated"]) == 3
-    assert all(0 <= t < 129280 for t in rec["generated"])
+    assert rec["prompt_tokens"] == 32 and len(rec["rows"]) == 1
+    row = rec["rows"][0]
+    assert row["prompt_tokens"] == 32 and len(row["generated"]) in (1, 2, 3)
+    assert all(0 <= t < 129280 for t in row["generated"])
+    assert row["finish"] == ("length" if len(row["generated"]) == 3 else "eos")
     assert rec["decode_tokens_per_s"] > 0
+
+
+def test_generate_a_batch_of_chat_prompts_with_a_stop_string(tmp_path, capsys):
+    """--prompts-file (2 prompts, one batch), --chat: greedy tokens, then the same with --stop
+    set to a piece of the first row's text: that row is cut before it and marked "stop", the
+    tokens do not change; --time-steady repeats the run and reports the same tokens."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\n\nThe capital of France is\n")
+    out1, out2 = tmp_path / "a.json", tmp_path / "b.json"
+    base = ["--prompts-file", str(prompts), "--chat", "--max-new-tokens", str(N_NEW)]
+    assert generate.main(base + ["--json", str(out1)]) == 0
+    text = capsys.readouterr().out
+    assert "2 prompts of 6-9 tokens (prefill in 1 call of width 16; state capacity 64)" in text
+    assert text.count("[generated] ") == 2
+    rec = json.loads(out1.read_text())
+    tok = tokenizer.load_tokenizer()
+    assert [r["prompt_tokens"] for r in rec["rows"]] == \
+        [len(chat.chat_ids(tok, p, thinking=False)) for p in ("Hello there",
+                                                              "The capital of France is")]
+    first = rec["rows"][0]
+    assert first["finish"] in ("length", "eos") and len(first["text"]) > 2
+    stop = first["text"][1:3]
+    assert generate.main(base + ["--stop", stop, "--stop", "\x00never", "--time-steady",
+                                 "--json", str(out2)]) == 0
+    text = capsys.readouterr().out
+    assert "[stopped at a stop string]" in text
+    assert "prefill (steady, a second run on a fresh state)" in text
+    assert "decode (steady)" in text and "different tokens" not in text
+    rec2 = json.loads(out2.read_text())
+    row = rec2["rows"][0]
+    assert row["finish"] == "stop" and row["text"] == first["text"][:first["text"].index(stop)]
+    assert [r["generated"] for r in rec2["rows"]] == [r["generated"] for r in rec["rows"]]
+    assert rec2["steady"]["same_tokens"] is True
+
+
+def test_chunk_plan_and_state_capacity():
+    assert generate.chunk_plan([600], 256) == [[256], [256], [88]]
+    assert generate.chunk_plan([600, 10], 256) == [[256, 8], [256, 1], [88, 1]]
+    assert generate.chunk_plan([5, 3], 256) == [[5, 3]]
+    with pytest.raises(ValueError, match="prompt 1 has 2 tokens, fewer than the 3 prefill"):
+        generate.chunk_plan([600, 2], 256)
+    assert [generate.state_capacity(n) for n in (1, 64, 65, 4096, 4097, 9000)] == \
+        [64, 64, 128, 4096, 8192, 12288]
 
 
 def _refused(argv, capsys) -> str:
@@ -59,6 +293,20 @@ def _refused(argv, capsys) -> str:
     (["--json", "no/such/dir/out.json"], "argument --json: no such directory:"),
     (["--mode", "fast"], "argument --mode: invalid choice: 'fast'"),
     (["--config", FLASH], "--checkpoint DIR or a smaller config (configs/small.json)"),
+    (["--top-k", "-1"], "argument --top-k: must be >= 0, got -1"),
+    (["--top-p", "0"], r"argument --top-p: must be a number in (0, 1] (1: off), got 0"),
+    (["--top-p", "1.5"], r"argument --top-p: must be a number in (0, 1]"),
+    (["--thinking"], "argument --thinking: only with --chat"),
+    (["--system", "x"], "argument --system: only with --chat"),
+    (["--stop", ""], "argument --stop: the stop string is empty"),
+    (["--chat", "--prompt", "a<｜User｜>b"],
+     "argument --chat: user_text contains the special token '<｜User｜>'"),
+    (["--prompts-file", "no/such.txt"], "argument --prompts-file: no such file: no/such.txt"),
+    (["--prompt", "a", "--prompts-file", "p.txt"],
+     "argument --prompts-file: not allowed with argument --prompt"),
+    (["--compile-cache", ""], "argument --compile-cache: compile cache directory: empty"),
+    (["--compile-cache", SMALL], f"argument --compile-cache: {os.path.abspath(SMALL)} is not a "
+                                 "directory"),
 ])
 def test_refused_options(argv, match, capsys):
     assert match in _refused(argv, capsys)
@@ -68,6 +316,17 @@ def test_refuses_an_empty_prompt_file(tmp_path, capsys):
     p = tmp_path / "p.txt"
     p.write_text("\n")
     assert f"argument --prompt-file: {p} is empty" in _refused(["--prompt-file", str(p)], capsys)
+
+
+def test_refuses_a_blank_prompts_file_and_prompts_too_far_apart(tmp_path, capsys):
+    p = tmp_path / "p.txt"
+    p.write_text("\n  \n")
+    assert f"argument --prompts-file: {p} has no prompt" in _refused(["--prompts-file", str(p)],
+                                                                     capsys)
+    p.write_text("a\n" + "word " * 40 + "\n")
+    line = _refused(["--prompts-file", str(p), "--chunk", "16"], capsys)
+    assert "argument --prompts-file: prompt 0 has 2 tokens, fewer than the 3 prefill chunks" \
+        in line
 
 
 def test_refuses_a_config_with_a_misspelt_key(tmp_path, capsys):
@@ -123,3 +382,4 @@ def test_decode_line_never_prints_nan():
         "decode: no decode steps (the one token came from the prefill)"
     assert generate.decode_line(1, 0.5) == "decode: 1 token in 0.50s = 2.0 tokens/s"
     assert generate.decode_line(4, 2.0) == "decode: 4 tokens in 2.00s = 2.0 tokens/s"
+    assert generate.decode_line(4, 2.0, rows=3) == "decode: 4 steps x 3 rows in 2.00s = 6.0 tokens/s"

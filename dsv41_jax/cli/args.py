@@ -29,3 +29,14 @@ def positive_ints(text: str) -> list[int]:
     if not vals:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of integers >= 1")
     return vals
+
+
+def nonnegative_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 0 (``ArgumentTypeError`` otherwise)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v

@@ -7,6 +7,14 @@ Reindex/Reuse layers, bounded replay). ``--checkpoint DIR`` loads real weights i
 format (``config.json`` + ``*.safetensors``).
 
     dsv41-generate --prompt "The capital of France is" --max-new-tokens 16
+    dsv41-generate --chat --prompt "Why is the sky blue?" --temperature 0.6 --top-p 0.95
+
+The decoding runs on the device in one compiled loop (:func:`dsv41_jax.generation.generate`)
+and stops a row at ``<｜end▁of▁sentence｜>`` unless ``--no-eos``. ``--prompts-file`` runs one
+prompt per line as one batch. Prefill chunks are padded to a few widths (powers of two from 16
+to ``--chunk``) and the state's capacity is rounded up, so prompts of other lengths reuse the
+compiled programs; the persistent compilation cache (``--compile-cache``) keeps them across
+runs.
 
 Options are checked before anything is built: an out-of-range or conflicting option exits with
 status 2 and a one-line message (argparse's convention); an error while running prints
@@ -23,16 +31,19 @@ import os
 import sys
 import time
 
-import dsv41_jax  # first: sets the XLA numerics flag before JAX starts
+import dsv41_jax  # first: sets the XLA numerics flag before JAX starts  # noqa: F401
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from dsv41_jax import checkpoint, model, random_weights, state as st, tokenizer
+from dsv41_jax import (chat, checkpoint, compile_cache, generation, model, random_weights,
+                       state as st, tokenizer)
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.cli.args import Parser, positive_int
+from dsv41_jax.cli.args import Parser, nonnegative_int, positive_int
+from dsv41_jax.dtypes import F32
+from dsv41_jax.sampling import SamplingParams
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs")
 DEFAULT_CONFIG = os.path.normpath(os.path.join(CONFIGS, "small.json"))
@@ -101,6 +112,16 @@ def _temperature(text: str) -> float:
     return v
 
 
+def _top_p(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] (1: off), got {text}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="dsv41-generate", description=__doc__.split("\n")[0])
     prompt = ap.add_mutually_exclusive_group()
@@ -108,9 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt text, not empty (default: a fixed English sentence)")
     prompt.add_argument("--prompt-file", default=None, metavar="PATH",
                         help="read the prompt from this UTF-8 text file (not empty)")
+    prompt.add_argument("--prompts-file", default=None, metavar="PATH",
+                        help="UTF-8 text file with one prompt per line (blank lines skipped), "
+                             "generated as one batch")
     ap.add_argument("--max-new-tokens", type=positive_int, default=16, metavar="N",
-                    help="tokens to generate, >= 1 (the first comes from the prefill; "
-                         "default 16)")
+                    help="tokens to generate per prompt, >= 1 (the first comes from the "
+                         "prefill; default 16)")
     ap.add_argument("--config", default=None, metavar="PATH",
                     help="model config JSON for seeded random weights (default "
                          "configs/small.json); with --checkpoint it must equal the "
@@ -124,8 +148,34 @@ def build_parser() -> argparse.ArgumentParser:
                          "(every layer on every position); default ced")
     ap.add_argument("--temperature", type=_temperature, default=0.0,
                     help="sampling temperature, >= 0 (0: greedy; default 0)")
+    ap.add_argument("--top-k", type=nonnegative_int, default=0, metavar="K",
+                    help="sample among the K most likely tokens (0: off, the default; "
+                         "with --temperature > 0)")
+    ap.add_argument("--top-p", type=_top_p, default=1.0, metavar="P",
+                    help="sample among the most likely tokens whose probability reaches P, "
+                         "in (0, 1] (1: off, the default; with --temperature > 0)")
+    ap.add_argument("--stop", action="append", default=[], metavar="STR",
+                    help="cut the generated text before the first occurrence of STR "
+                         "(repeatable; applied after the generation)")
+    ap.add_argument("--no-eos", action="store_true",
+                    help="do not stop a prompt at <｜end▁of▁sentence｜>: always generate "
+                         "--max-new-tokens tokens")
+    ap.add_argument("--chat", action="store_true",
+                    help="wrap each prompt in the DeepSeek chat format (a user turn, then the "
+                         "assistant's answer, non-thinking unless --thinking)")
+    ap.add_argument("--thinking", action="store_true",
+                    help="with --chat: thinking mode (the answer starts with <think>)")
+    ap.add_argument("--system", default=None, metavar="TEXT",
+                    help="with --chat: a system prompt before the user turn")
     ap.add_argument("--chunk", type=positive_int, default=256, metavar="N",
-                    help="prefill chunk in tokens, >= 1 (default 256)")
+                    help="prefill chunk in tokens, >= 1 (default 256); chunks are padded to a "
+                         "power of two from 16, or to N")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR",
+                    help="JAX persistent compilation cache directory, or 'none' (default: "
+                         f"${compile_cache.ENV_VAR} if set, else {compile_cache.DEFAULT_DIR})")
+    ap.add_argument("--time-steady", action="store_true",
+                    help="run the prefill and the generation a second time, on a fresh state, "
+                         "and report their speed without compilation")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the measurements to this JSON file")
     return ap
@@ -136,27 +186,62 @@ def _config_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
     return [f"{k} {da[k]!r} vs {db[k]!r}" for k in da if da[k] != db[k]]
 
 
+def _read_prompts(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The prompts of the parsed ``args`` (refusals through ``ap.error``)."""
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            ap.error("argument --prompt: the prompt is empty")
+        return [args.prompt]
+    if args.prompt_file is not None:
+        if not os.path.isfile(args.prompt_file):
+            ap.error(f"argument --prompt-file: no such file: {args.prompt_file}")
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text = f.read()
+        if not text.strip():
+            ap.error(f"argument --prompt-file: {args.prompt_file} is empty")
+        return [text]
+    if args.prompts_file is not None:
+        if not os.path.isfile(args.prompts_file):
+            ap.error(f"argument --prompts-file: no such file: {args.prompts_file}")
+        with open(args.prompts_file, encoding="utf-8") as f:
+            texts = [line.rstrip("\r\n") for line in f if line.strip()]
+        if not texts:
+            ap.error(f"argument --prompts-file: {args.prompts_file} has no prompt (every line "
+                     "is blank)")
+        return texts
+    return [DEFAULT_PROMPT]
+
+
 def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
-    """Parsed and checked arguments, with ``args.text`` (the prompt), and the model config.
+    """Parsed and checked arguments, with ``args.texts`` (the prompts, one or more) and
+    ``args.cache_dir`` (the compilation cache directory, ``None`` for none), and the model
+    config.
 
     Every refusal goes through ``ArgumentParser.error`` (``SystemExit(2)``, one line on
     stderr); nothing is built or compiled here.
     """
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.prompt is not None:
-        if not args.prompt.strip():
-            ap.error("argument --prompt: the prompt is empty")
-        args.text = args.prompt
-    elif args.prompt_file is not None:
-        if not os.path.isfile(args.prompt_file):
-            ap.error(f"argument --prompt-file: no such file: {args.prompt_file}")
-        with open(args.prompt_file, encoding="utf-8") as f:
-            args.text = f.read()
-        if not args.text.strip():
-            ap.error(f"argument --prompt-file: {args.prompt_file} is empty")
-    else:
-        args.text = DEFAULT_PROMPT
+    args.texts = _read_prompts(ap, args)
+    if args.thinking and not args.chat:
+        ap.error("argument --thinking: only with --chat")
+    if args.system is not None and not args.chat:
+        ap.error("argument --system: only with --chat")
+    if args.chat:
+        try:
+            for t in args.texts:
+                chat.format_chat(t, thinking=args.thinking, system=args.system)
+        except ValueError as e:
+            ap.error(f"argument --chat: {e}")
+    if any(not s for s in args.stop):
+        ap.error("argument --stop: the stop string is empty")
+    try:
+        args.cache_dir = compile_cache.resolve(args.compile_cache)
+    except ValueError as e:
+        ap.error(f"argument --compile-cache: {e}")
+    if args.cache_dir is not None and os.path.exists(args.cache_dir) \
+            and not os.path.isdir(args.cache_dir):
+        ap.error(f"argument --compile-cache: {args.cache_dir} is not a directory")
     if args.config is not None and not os.path.isfile(args.config):
         ap.error(f"argument --config: no such file: {args.config}")
     if args.json is not None:
@@ -202,27 +287,104 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
 # ----------------------------------------------------------------------------- run
 
 
-def decode_line(steps: int, seconds: float) -> str:
-    """The report's decode line for ``steps`` decode steps in ``seconds`` (no rate without a
-    step)."""
+def decode_line(steps: int, seconds: float, rows: int = 1) -> str:
+    """The report's decode line for ``steps`` decode steps of ``rows`` rows in ``seconds`` (no
+    rate without a step)."""
     if steps < 1:
         return "decode: no decode steps (the one token came from the prefill)"
-    rate = f" = {steps / seconds:.1f} tokens/s" if seconds > 0 else ""
-    return f"decode: {steps} token{'s' * (steps > 1)} in {seconds:.2f}s{rate}"
+    rate = f" = {steps * rows / seconds:.1f} tokens/s" if seconds > 0 else ""
+    what = f"{steps} token{'s' * (steps > 1)}" if rows == 1 else f"{steps} steps x {rows} rows"
+    return f"decode: {what} in {seconds:.2f}s{rate}"
 
 
-def _warm_decode(params, cfg, capacity):
-    """Compile decode_step on a throwaway state (run beside the prefill)."""
-    s = st.init_state(cfg, 1, capacity)
-    s = dict(s, pos=jnp.ones((1,), jnp.int32))
-    logits, _ = model.decode_step(params, cfg, s, np.zeros((1,), np.int64))
-    logits.block_until_ready()
+def chunk_plan(lengths: list[int], chunk: int) -> list[list[int]]:
+    """Tokens of each row in each prefill call: as many calls as the longest row needs in
+    chunks of ``chunk``; each row takes as many tokens as it can in each call while leaving one
+    for every later call (``model.prefill`` needs at least one token per row). Returns one list
+    of per-row counts per call (each in [1, chunk], each row's counts summing to its length).
+
+    Raises ``ValueError`` when a row has fewer tokens than the number of calls.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    calls = -(-max(lengths) // chunk)
+    short = [b for b, n in enumerate(lengths) if n < calls]
+    if short:
+        b = short[0]
+        raise ValueError(f"prompt {b} has {lengths[b]} tokens, fewer than the {calls} prefill "
+                         f"chunks of {chunk} tokens the longest prompt ({max(lengths)} tokens) "
+                         f"needs (every prompt needs a token in every chunk): raise --chunk or "
+                         f"batch prompts of closer lengths")
+    left = list(lengths)
+    plan = []
+    for k in range(calls):
+        later = calls - 1 - k
+        counts = [min(chunk, n - later) for n in left]
+        left = [n - c for n, c in zip(left, counts)]
+        plan.append(counts)
+    return plan
 
 
-def generate(args: argparse.Namespace, cfg: ModelConfig, tok, ids: list[int]) -> dict:
-    """Load or build the weights, prefill ``ids`` in chunks, decode, print the report; returns
-    the measurements. Raises ``ValueError`` from the model (e.g. a checkpoint tensor of the wrong
-    shape)."""
+def state_capacity(need: int) -> int:
+    """The capacity of the state for ``need`` tokens per row: the next power of two (at least
+    64) up to 4096, then the next multiple of 4096; rounded so nearby lengths share programs."""
+    if need <= 4096:
+        return max(64, 1 << (need - 1).bit_length())
+    return -(-need // 4096) * 4096
+
+
+def _prefill(params, cfg, rows: list[list[int]], capacity: int, chunk: int, mode: str,
+             progress: bool):
+    """Prefill the right-padded ``rows`` on a fresh state in the calls of :func:`chunk_plan`,
+    each padded to a width of :func:`generation.length_buckets`; returns ``(last logits fp32
+    [B, V], state)``."""
+    buckets = generation.length_buckets(chunk)
+    B = len(rows)
+    state = st.init_state(cfg, B, capacity)
+    start = [0] * B
+    out = None
+    total = sum(len(r) for r in rows)
+    with tqdm(total=total, unit="tok", desc="prefill", disable=not progress) as bar:
+        for counts in chunk_plan([len(r) for r in rows], chunk):
+            width = generation.bucket_length(max(counts), buckets)
+            toks = np.zeros((B, width), np.int32)
+            for b, (r, c) in enumerate(zip(rows, counts)):
+                toks[b, :c] = r[start[b]:start[b] + c]
+                start[b] += c
+            out, state = model.prefill(params, cfg, toks, state, counts, mode=mode)
+            bar.update(sum(counts))
+    return out["logits"], state
+
+
+def _warm_generate(params, cfg, B, capacity, max_new_tokens, sampling, seed):
+    """Compile the generation loop for these shapes on a throwaway state (run beside the
+    prefill): logits that make token 0 certain and EOS id 0 end every row before any model
+    step."""
+    s = st.init_state(cfg, B, capacity)
+    logits = jnp.full((B, cfg.vocab_size), -jnp.inf, F32).at[:, 0].set(0.0)
+    res = generation.generate(params, cfg, s, logits, max_new_tokens=max_new_tokens,
+                              sampling=sampling, eos_ids=(0,), seed=seed)
+    jax.block_until_ready(res)
+
+
+def _row_outputs(tok, res, eos: tuple, stops: list[str]) -> list[dict]:
+    """Per row: the generated ids, the text (without a final EOS, cut at a stop string) and
+    why it ended (``"eos"``, ``"stop"`` or ``"length"``)."""
+    tokens, lengths = np.asarray(res.tokens), np.asarray(res.lengths)
+    rows = []
+    for b in range(tokens.shape[0]):
+        ids = tokens[b, :lengths[b]].tolist()
+        finish = "eos" if ids and ids[-1] in eos else "length"
+        text = tokenizer.decode(tok, ids[:-1] if finish == "eos" else ids)
+        text, stopped = chat.truncate_at_stop(text, stops)
+        rows.append({"generated": ids, "text": text, "finish": "stop" if stopped else finish})
+    return rows
+
+
+def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[int]]) -> dict:
+    """Load or build the weights, prefill the prompts ``rows`` (token ids) in chunks, generate,
+    print the report; returns the measurements. Raises ``ValueError`` from the model (e.g. a
+    checkpoint tensor of the wrong shape)."""
     t_load = time.perf_counter()
     if args.checkpoint:
         cfg, params = checkpoint.load_params(args.checkpoint, cfg)
@@ -232,71 +394,118 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, ids: list[int]) ->
                                                 cfg)
         source = (f"SEEDED RANDOM WEIGHTS (seed {args.seed}, config {os.path.basename(args.config)})"
                   ": the text is noise; pass --checkpoint DIR for real weights")
-    n = len(ids)
-    capacity = n + args.max_new_tokens + 1
-    chunk = min(args.chunk, n)
+    params = model.prepare_params(params, cfg)
+    B = len(rows)
+    lens = [len(r) for r in rows]
+    n_max, n_total = max(lens), sum(lens)
+    capacity = state_capacity(n_max + args.max_new_tokens)
+    chunk = args.chunk
+    buckets = generation.length_buckets(chunk)
+    widths = [generation.bucket_length(max(c), buckets) for c in chunk_plan(lens, chunk)]
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    eos = () if args.no_eos else (chat.eos_id(tok),)
     print(f"model: {source}")
-    print(f"prompt: {n} tokens (prefill in chunks of {chunk}); load "
+    what = f"{n_max} tokens" if B == 1 else f"{B} prompts of {min(lens)}-{n_max} tokens"
+    print(f"prompt: {what} (prefill in {len(widths)} call{'s' * (len(widths) > 1)} of width "
+          f"{', '.join(map(str, widths))}; state capacity {capacity}); load "
           f"{time.perf_counter() - t_load:.1f}s")
+    print(f"sampling: {'greedy' if sampling.greedy else sampling}; stop at "
+          f"{'EOS' if eos else 'max-new-tokens only'}"
+          + (f" or {len(args.stop)} stop string{'s' * (len(args.stop) > 1)}" if args.stop else ""))
 
-    state = st.init_state(cfg, 1, capacity)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # decode_step compiles beside the prefill (XLA compiles outside the GIL)
-        warm = (pool.submit(_warm_decode, params, cfg, capacity) if args.max_new_tokens > 1
-                else None)
+        # the generation loop compiles beside the prefill (XLA compiles outside the GIL)
+        warm = pool.submit(_warm_generate, params, cfg, B, capacity, args.max_new_tokens,
+                           sampling, args.seed)
         t0 = time.perf_counter()
-        out = None
-        with tqdm(total=n, unit="tok", desc="prefill", disable=n <= chunk) as bar:
-            for start in range(0, n, chunk):
-                piece = ids[start:start + chunk]
-                toks = np.zeros((1, chunk), np.int64)
-                toks[0, :len(piece)] = piece
-                out, state = model.prefill(params, cfg, toks, state, [len(piece)],
-                                           mode=args.mode)
-                bar.update(len(piece))
-        key = jax.random.key(args.seed)
-        key, sub = jax.random.split(key)
-        nxt = dsv41_jax.sample(out["logits"], args.temperature, sub)
-        nxt.block_until_ready()
+        logits, state = _prefill(params, cfg, rows, capacity, chunk, args.mode,
+                                 progress=n_max > chunk)
+        logits.block_until_ready()
         ttft = time.perf_counter() - t0
-        if warm is not None:
-            warm.result()
-    generated = [int(nxt[0])]
+        warm.result()
     t1 = time.perf_counter()
-    for _ in range(args.max_new_tokens - 1):
-        logits, state = model.decode_step(params, cfg, state, np.asarray(nxt))
-        key, sub = jax.random.split(key)
-        nxt = dsv41_jax.sample(logits, args.temperature, sub)
-        generated.append(int(nxt[0]))
-    jax.block_until_ready(state)
+    res = generation.generate(params, cfg, state, logits, max_new_tokens=args.max_new_tokens,
+                              sampling=sampling, eos_ids=eos, seed=args.seed)
+    jax.block_until_ready(res)
     t_dec = time.perf_counter() - t1
-    steps = len(generated) - 1
-    tps = steps / t_dec if steps and t_dec > 0 else None
+    steps = int(np.asarray(res.lengths).max()) - 1
+    outs = _row_outputs(tok, res, eos, args.stop)
     print("-" * 72)
-    if sys.stdout.isatty():   # the generated text in bold after the prompt
-        print(args.text + "\033[1m" + tokenizer.decode(tok, generated) + "\033[0m")
-    else:                     # no bold in a log or a pipe: the generated text on its own line
-        print(f"{args.text}\n[generated] {tokenizer.decode(tok, generated)}")
+    for b, (text, o) in enumerate(zip(args.texts, outs)):
+        if b:
+            print("-" * 72)
+        if sys.stdout.isatty():   # the generated text in bold after the prompt
+            print(text + "\033[1m" + o["text"] + "\033[0m")
+        else:                     # no bold in a log or a pipe: the generated text on its own line
+            print(f"{text}\n[generated] {o['text']}")
+        if o["finish"] != "length":
+            print(f"[stopped at {'EOS' if o['finish'] == 'eos' else 'a stop string'}]")
     print("-" * 72)
+    print(f"prefill: {n_total} tokens in {ttft:.2f}s (first call, compilation included)")
     print(f"time to first token: {ttft:.2f}s (prefill mode {args.mode}, compilation included)")
-    print(decode_line(steps, t_dec))
-    for line in state_report(cfg, state):
+    print(decode_line(steps, t_dec, B))
+    for line in state_report(cfg, res.state):
         print("state: " + line)
-    return {"prompt_tokens": n, "generated": generated, "ttft_s": ttft,
-            "decode_tokens_per_s": tps, "mode": args.mode}
+    tps = steps * B / t_dec if steps and t_dec > 0 else None
+    rec = {"rows": [dict(prompt_tokens=n, **o) for n, o in zip(lens, outs)],
+           "prompt_tokens": n_total, "capacity": capacity, "ttft_s": ttft,
+           "decode_steps": steps, "decode_s": t_dec, "decode_tokens_per_s": tps,
+           "mode": args.mode, "temperature": args.temperature, "top_k": args.top_k,
+           "top_p": args.top_p}
+    if args.time_steady:
+        del res, state
+        t0 = time.perf_counter()
+        logits, state = _prefill(params, cfg, rows, capacity, chunk, args.mode, progress=False)
+        logits.block_until_ready()
+        t_pre = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        res2 = generation.generate(params, cfg, state, logits,
+                                   max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                   eos_ids=eos, seed=args.seed)
+        jax.block_until_ready(res2)
+        t_dec2 = time.perf_counter() - t1
+        same = _row_outputs(tok, res2, eos, args.stop) == outs
+        print(f"prefill (steady, a second run on a fresh state): {n_total} tokens in "
+              f"{t_pre:.3f}s = {n_total / t_pre:.1f} tokens/s; compilation about "
+              f"{max(ttft - t_pre, 0.0):.1f}s")
+        print(decode_line(steps, t_dec2, B).replace("decode:", "decode (steady):", 1)
+              + ("" if same else " (different tokens from the first run)"))
+        rec["steady"] = {"prefill_s": t_pre, "prefill_tokens_per_s": n_total / t_pre,
+                         "decode_s": t_dec2,
+                         "decode_tokens_per_s": steps * B / t_dec2 if steps and t_dec2 > 0
+                         else None,
+                         "same_tokens": same}
+    return rec
+
+
+def encode_prompts(args: argparse.Namespace, tok) -> list[list[int]]:
+    """Token ids of each prompt (with BOS): the chat format with ``--chat``."""
+    if args.chat:
+        return [chat.chat_ids(tok, t, thinking=args.thinking, system=args.system)
+                for t in args.texts]
+    return [tokenizer.encode(tok, t) for t in args.texts]
 
 
 def main(argv=None) -> int:
     """The ``dsv41-generate`` command; returns the exit status (2: refused arguments, via
     ``SystemExit``; 1: an error while running)."""
     args, cfg = parse_args(argv)
+    ap = build_parser()
     tok = tokenizer.load_tokenizer()
-    ids = tokenizer.encode(tok, args.text)
-    if max(ids) >= cfg.vocab_size:
-        build_parser().error(f"the tokenizer produced id {max(ids)} >= vocab_size "
-                             f"{cfg.vocab_size} of the config")
+    rows = encode_prompts(args, tok)
+    top = max(max(r) for r in rows)
+    if top >= cfg.vocab_size:
+        ap.error(f"the tokenizer produced id {top} >= vocab_size {cfg.vocab_size} of the config")
     try:
-        rec = generate(args, cfg, tok, ids)
+        chunk_plan([len(r) for r in rows], args.chunk)
+    except ValueError as e:
+        ap.error(f"argument --prompts-file: {e}")
+    try:
+        if args.cache_dir is None:
+            compile_cache.disable()
+        else:
+            compile_cache.enable(args.cache_dir)
+        rec = generate(args, cfg, tok, rows)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rec, f, indent=2)

@@ -1,0 +1,229 @@
+"""Token generation on the device: one jitted ``lax.while_loop`` of sample-then-decode steps.
+
+:func:`generate` continues from a prefilled state: the first new token of each row is sampled
+from the prefill's last logits, and every further token costs one model step
+(:func:`dsv41_jax.model.decode_fn`) inside the same compiled loop, with no host round trip per
+token. The loop is compiled once per (config, sampling, ``max_new_tokens``, kernel family,
+batch, capacity, number of EOS ids) and reused across calls.
+
+:func:`bucket_length` and :func:`length_buckets` pick padded prefill widths from a small set so
+that prompts of any length compile a few prefill programs only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from dsv41_jax import model
+from dsv41_jax import state as st
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.dtypes import F32
+from dsv41_jax.sampling import SamplingParams, sample
+
+
+def _pos(state) -> Any:
+    """Tokens consumed per row, int32 [B], of an inference state (dict or dataclass)."""
+    return state.pos if hasattr(state, "pos") else state["pos"]
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "lengths", "state"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """What :func:`generate` returns.
+
+    Fields:
+      tokens: int32 [B, max_new_tokens], the generated tokens of each row, -1 after its end. A
+        row that stopped at an EOS id ends with that id.
+      lengths: int32 [B], generated tokens per row (1 to max_new_tokens), EOS included.
+      state: the inference state after the loop (see :func:`generate` for what it holds).
+    """
+
+    tokens: Any
+    lengths: Any
+    state: Any
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["state", "tokens", "lengths", "done", "step", "key", "last",
+                                "logits"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class _Carry:
+    """The loop's carry: state; tokens int32 [B, N] (-1 = not written); lengths int32 [B];
+    done bool [B]; step int32 [] (tokens sampled so far); key (PRNG key); last int32 [B] (each
+    row's latest token, the next model input); logits fp32 [B, V] (to sample the next token
+    from)."""
+
+    state: Any
+    tokens: Any
+    lengths: Any
+    done: Any
+    step: Any
+    key: Any
+    last: Any
+    logits: Any
+
+
+def _pick(c: _Carry, eos: Int[Array, "E"], sampling: SamplingParams, n: int) -> _Carry:
+    """Sample token number ``c.step`` from ``c.logits``; write it for the rows not done; mark
+    rows done at an EOS id or at the last slot."""
+    key, sub = jax.random.split(c.key)
+    tok = sample(c.logits, sub, sampling)
+    live = ~c.done
+    tokens = c.tokens.at[:, c.step].set(jnp.where(live, tok, c.tokens[:, c.step]))
+    hit = (tok[:, None] == eos[None, :]).any(axis=1)
+    done = c.done | (live & hit) | (c.step + 1 >= n)
+    return dataclasses.replace(c, tokens=tokens, lengths=c.lengths + live.astype(jnp.int32),
+                               done=done, step=c.step + 1, key=key,
+                               last=jnp.where(live, tok, c.last))
+
+
+def _loop(params, state, logits, key, eos, *, cfg: ModelConfig, sampling: SamplingParams,
+          max_new_tokens: int, attn_impl: str) -> GenerationResult:
+    """The whole generation as one traceable function (see :func:`generate`)."""
+    step_fn = model.decode_fn(cfg, attn_impl=attn_impl)
+    B = logits.shape[0]
+    c = _Carry(state=state, tokens=jnp.full((B, max_new_tokens), -1, jnp.int32),
+               lengths=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
+               step=jnp.zeros((), jnp.int32), key=key, last=jnp.zeros((B,), jnp.int32),
+               logits=logits.astype(F32))
+    c = _pick(c, eos, sampling, max_new_tokens)
+
+    def cond(c: _Carry):
+        return (c.step < max_new_tokens) & ~c.done.all()
+
+    def body(c: _Carry):
+        logits, state = step_fn(params, c.state, c.last)
+        return _pick(dataclasses.replace(c, state=state, logits=logits), eos, sampling,
+                     max_new_tokens)
+
+    c = jax.lax.while_loop(cond, body, c)
+    return GenerationResult(tokens=c.tokens, lengths=c.lengths, state=c.state)
+
+
+_loop_jit = jax.jit(_loop, static_argnames=("cfg", "sampling", "max_new_tokens", "attn_impl"),
+                    donate_argnames=("state",))
+
+
+def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
+             sampling: SamplingParams = SamplingParams(), eos_ids=(), seed: int = 0,
+             attn_impl: str = "auto") -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens per row after a prefill, on the device.
+
+    Args:
+      params: the model parameters (:func:`dsv41_jax.model.prepare_params` or raw).
+      state: the inference state after :func:`dsv41_jax.model.prefill` (it is donated: use the
+        returned one).
+      logits: fp32 [B, V], the prefill's last logits (``out["logits"]``); the first new token
+        of each row is sampled from them.
+      max_new_tokens: tokens to generate per row, >= 1.
+      sampling: :class:`~dsv41_jax.sampling.SamplingParams` (default greedy).
+      eos_ids: token ids that end a row; the EOS token itself is the row's last token in
+        ``tokens`` and counts in ``lengths``. Empty: every row runs to ``max_new_tokens``.
+      seed: seed of the sampling's PRNG key (unused when greedy); the same seed gives the same
+        tokens.
+      attn_impl: kernel family, as in :func:`dsv41_jax.model.prefill`.
+
+    Each loop iteration samples one token per row, writes it for the rows not done yet, marks a
+    row done at an EOS id or at ``max_new_tokens`` tokens, and (unless every row is done) runs
+    the latest tokens through one model step. The loop stops when every row is done, so it runs
+    ``max(lengths) - 1`` model steps. Rows that are done keep stepping with their last token
+    (nothing more is written for them).
+
+    The capacity check asks for room for all ``max_new_tokens`` tokens, so the last one can
+    still be fed after the call.
+
+    The returned state: every row advanced by ``max(lengths) - 1`` tokens. The last sampled
+    token is not run through the model, so a row of the longest length holds all its generated
+    tokens except the last; a shorter row holds all its tokens (its last one included) and then
+    repeats of its last token up to that count. To continue a row of the longest length, feed
+    its last token (``decode_step`` or a prefill).
+
+    Returns :class:`GenerationResult` (tokens int32 [B, max_new_tokens] padded with -1, lengths
+    int32 [B], state).
+
+    Raises:
+      ValueError (before anything runs; the state is then untouched): ``max_new_tokens`` < 1
+        or not an int; ``logits`` not [B, V] with V = ``cfg.vocab_size`` and B the state's
+        rows; ``pos + max_new_tokens`` above the state's capacity for a row; an EOS id outside
+        [0, vocab_size) or not an int; ``seed`` not an int; an unknown ``attn_impl``; a
+        ``sampling`` that is not a ``SamplingParams``.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    pos = np.asarray(_pos(state))
+    B = pos.shape[0]
+    shape = tuple(np.shape(logits))
+    if shape != (B, cfg.vocab_size):
+        raise ValueError(f"logits must have shape [B, V] = {[B, cfg.vocab_size]} (the state "
+                         f"holds {B} rows, vocab_size {cfg.vocab_size}), got {list(shape)}")
+    cap = st.capacity_of(state, cfg)
+    over = pos + max_new_tokens > cap
+    if over.any():
+        b = int(np.argmax(over))
+        raise ValueError(f"max_new_tokens={max_new_tokens}: row {b} holds {int(pos[b])} tokens "
+                         f"and the state's capacity is {cap}, so at most {cap - int(pos[b])} "
+                         f"new tokens fit")
+    eos = list(eos_ids)
+    for e in eos:
+        if isinstance(e, bool) or not isinstance(e, (int, np.integer)) \
+                or not 0 <= e < cfg.vocab_size:
+            raise ValueError(f"eos_ids: {e!r} is not a token id in [0, vocab_size="
+                             f"{cfg.vocab_size})")
+    model.decode_fn(cfg, attn_impl=attn_impl)   # raises ValueError for an unknown attn_impl
+    # padded with -1 (never sampled) to a multiple of 8: up to 8 EOS ids share one program
+    eos_arr = np.full((max(8, -(-len(eos) // 8) * 8),), -1, np.int32)
+    eos_arr[:len(eos)] = eos
+    return _loop_jit(params, state, jnp.asarray(logits, F32), jax.random.key(int(seed)),
+                     jnp.asarray(eos_arr), cfg=cfg, sampling=sampling,
+                     max_new_tokens=max_new_tokens, attn_impl=attn_impl)
+
+
+def length_buckets(limit: int, smallest: int = 16) -> tuple[int, ...]:
+    """Padded lengths up to ``limit``: the powers of two from ``smallest`` below ``limit``, then
+    ``limit`` itself (``length_buckets(256) == (16, 32, 64, 128, 256)``, ``length_buckets(100)
+    == (16, 32, 64, 100)``, ``length_buckets(8) == (8,)``).
+
+    Raises ``ValueError`` when ``limit`` or ``smallest`` is below 1.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    if smallest < 1:
+        raise ValueError(f"smallest must be >= 1, got {smallest}")
+    out = []
+    b = 1 << max(smallest - 1, 0).bit_length()   # the first power of two >= smallest
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (limit,)
+
+
+def bucket_length(n: int, buckets) -> int:
+    """The smallest of ``buckets`` (ints >= 1) that is >= ``n``: the padded width of a chunk of
+    ``n`` tokens.
+
+    Raises ``ValueError`` when ``n`` < 1, ``buckets`` is empty or holds a value < 1, or ``n`` is
+    above the largest bucket.
+    """
+    bs = sorted(int(b) for b in buckets)
+    if not bs or bs[0] < 1:
+        raise ValueError(f"buckets must be a non-empty list of integers >= 1, got {list(buckets)}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if n > bs[-1]:
+        raise ValueError(f"n={n} is above the largest bucket {bs[-1]}")
+    return next(b for b in bs if b >= n)

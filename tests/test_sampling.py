@@ -1,0 +1,124 @@
+"""Token sampling (:mod:`dsv41_jax.sampling`): greedy equals argmax, the top-k and top-p filters
+keep the right tokens, draws follow the filtered distribution, seeds reproduce, bad settings
+raise ``ValueError``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.sampling import SamplingParams, sample
+
+V = 1000
+
+
+def _logits(seed=0, rows=8, scale=3.0):
+    return jnp.asarray(np.random.default_rng(seed).normal(0, scale, (rows, V)), jnp.float32)
+
+
+def _draws(logits, params, n_keys=64):
+    """Tokens of ``n_keys`` draws, int [n_keys, B]."""
+    keys = jax.random.split(jax.random.key(7), n_keys)
+    return np.asarray(jax.vmap(lambda k: sample(logits, k, params))(keys))
+
+
+def test_greedy_is_argmax_and_needs_no_key():
+    x = _logits()
+    got = sample(x, None, SamplingParams())
+    assert got.dtype == jnp.int32 and got.shape == (8,)
+    np.testing.assert_array_equal(got, np.argmax(np.asarray(x), -1))
+    tied = jnp.zeros((2, V), jnp.float32).at[:, [5, 9]].set(1.0)   # ties: the lower index
+    np.testing.assert_array_equal(sample(tied, None, SamplingParams(0.0)), [5, 5])
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 50.0])
+def test_top_k_1_is_greedy_at_any_temperature(temperature):
+    x = _logits(1)
+    d = _draws(x, SamplingParams(temperature, top_k=1), 8)
+    np.testing.assert_array_equal(d, np.broadcast_to(np.argmax(np.asarray(x), -1), d.shape))
+
+
+def test_tiny_top_p_is_greedy():
+    x = _logits(2, scale=0.5)   # a flat distribution: without the filter, draws would differ
+    d = _draws(x, SamplingParams(2.0, top_p=1e-6), 16)
+    np.testing.assert_array_equal(d, np.broadcast_to(np.argmax(np.asarray(x), -1), d.shape))
+    assert len(np.unique(_draws(x, SamplingParams(2.0), 16)[:, 0])) > 1
+
+
+def test_top_k_draws_stay_in_the_top_k():
+    x = _logits(3)
+    d = _draws(x, SamplingParams(20.0, top_k=5), 128)   # hot: every kept token gets drawn
+    top5 = np.argsort(-np.asarray(x), axis=-1)[:, :5]
+    for b in range(x.shape[0]):
+        assert set(d[:, b]) == set(top5[b]), b
+
+
+def test_top_p_keeps_the_nucleus_with_its_renormalised_probabilities():
+    """Probabilities 0.5, 0.3, 0.1, 0.05, ... and top_p 0.75: tokens 0 and 1 are kept (the mass
+    before token 2 is 0.8), drawn 5:3."""
+    p = np.full(V, 0.05 / (V - 3))
+    p[:3] = [0.5, 0.3, 0.1]
+    p[3] = 0.05
+    x = jnp.asarray(np.broadcast_to(np.log(p), (4000, V)), jnp.float32)
+    d = np.asarray(sample(x, jax.random.key(3), SamplingParams(1.0, top_p=0.75)))
+    assert set(d) == {0, 1}
+    assert abs((d == 0).mean() - 0.625) < 0.03
+    # top-k, then top-p over the renormalised top-k: top_k=2 leaves 0.625 / 0.375, so top_p
+    # 0.6 keeps token 0 only (over the full distribution it would keep token 1 too)
+    d = np.asarray(sample(x[:64], jax.random.key(4), SamplingParams(1.0, top_k=2, top_p=0.6)))
+    assert set(d) == {0}
+
+
+def test_plain_temperature_follows_softmax():
+    p = np.array([0.7, 0.2, 0.1] + [0.0] * (V - 3))
+    x = jnp.asarray(np.broadcast_to(np.log(np.maximum(p, 1e-30)), (4000, V)), jnp.float32)
+    d = np.asarray(sample(x, jax.random.key(0), SamplingParams(1.0)))
+    assert set(d) <= {0, 1, 2}
+    np.testing.assert_allclose([(d == i).mean() for i in range(3)], p[:3], atol=0.03)
+
+
+def test_seeds_reproduce_and_differ():
+    flat = jnp.zeros((4, V), jnp.float32)
+    sp = SamplingParams(1.0, top_k=500, top_p=0.9)
+    a = sample(flat, jax.random.key(0), sp)
+    np.testing.assert_array_equal(a, sample(flat, jax.random.key(0), sp))
+    assert not np.array_equal(a, sample(flat, jax.random.key(1), sp))
+
+
+def test_jit_with_static_params_matches_eager():
+    x = _logits(4)
+    sp = SamplingParams(0.8, top_k=40, top_p=0.9)
+    jitted = jax.jit(sample, static_argnames="params")
+    np.testing.assert_array_equal(jitted(x, jax.random.key(5), params=sp),
+                                  sample(x, jax.random.key(5), sp))
+    assert hash(sp) == hash(SamplingParams(0.8, 40, 0.9)) and sp == SamplingParams(0.8, 40, 0.9)
+    assert jax.tree.leaves(sp) == []
+
+
+def test_bf16_logits_are_cast():
+    x = _logits(5)
+    np.testing.assert_array_equal(sample(x.astype(jnp.bfloat16), None, SamplingParams()),
+                                  np.argmax(np.asarray(x.astype(jnp.bfloat16), np.float32), -1))
+
+
+@pytest.mark.annotations_unchecked
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
+    (dict(temperature="1"), "temperature must be a finite number >= 0"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(top_k=2.0), "top_k must be an integer >= 0"),
+    (dict(top_k=True), "top_k must be an integer >= 0"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\]"),
+])
+def test_invalid_params_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_sampling_without_a_key_raises():
+    with pytest.raises(ValueError, match="key: sampling with temperature > 0"):
+        sample(_logits(), None, SamplingParams(1.0))
