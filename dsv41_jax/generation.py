@@ -90,6 +90,7 @@ def _loop(params, state, logits, key, eos, *, cfg: ModelConfig, sampling: Sampli
           max_new_tokens: int, attn_impl: str) -> GenerationResult:
     """The whole generation as one traceable function (see :func:`generate`)."""
     step_fn = model.decode_fn(cfg, attn_impl=attn_impl)
+    params = model.prepare_params(params, cfg)   # once, not per step (prepared: unchanged)
     B = logits.shape[0]
     c = _Carry(state=state, tokens=jnp.full((B, max_new_tokens), -1, jnp.int32),
                lengths=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
@@ -119,10 +120,11 @@ def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
     """Generate up to ``max_new_tokens`` tokens per row after a prefill, on the device.
 
     Args:
-      params: the model parameters (:func:`dsv41_jax.model.prepare_params` or raw).
+      params: the model parameters, prepared (:func:`dsv41_jax.model.prepare_params`) or raw
+        (then prepared inside each call, once before the loop).
       state: the inference state after :func:`dsv41_jax.model.prefill` (it is donated: use the
         returned one).
-      logits: fp32 [B, V], the prefill's last logits (``out["logits"]``); the first new token
+      logits: fp32 [B, V], the prefill's last logits (``out.logits``); the first new token
         of each row is sampled from them.
       max_new_tokens: tokens to generate per row, >= 1.
       sampling: :class:`~dsv41_jax.sampling.SamplingParams` (default greedy).

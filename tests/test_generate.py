@@ -48,12 +48,12 @@ def small():
     Python loop of ``model.decode_step`` + argmax, int [2, N_NEW]. The state is never donated:
     tests use copies."""
     cfg = ModelConfig.from_json(SMALL)
-    params = random_weights.random_params_device(cfg, seed=0)
+    params = model.prepare_params(random_weights.random_params_device(cfg, seed=0), cfg)
     toks = np.zeros((2, 16), np.int32)
     toks[0, :10] = np.arange(100, 110)
     toks[1, :6] = np.arange(2000, 2600, 100)
     out, state = model.prefill(params, cfg, toks, st.init_state(cfg, 2, 64), [10, 6])
-    logits = out["logits"]
+    logits = out.logits
     s, ref = _copy(state), []
     nxt = np.asarray(logits).argmax(-1)
     for i in range(N_NEW):
@@ -75,7 +75,7 @@ def test_greedy_generate_equals_a_decode_step_loop(small):
     assert res.tokens.dtype == jnp.int32 and res.tokens.shape == (2, N_NEW)
     np.testing.assert_array_equal(res.tokens, small["ref"])
     np.testing.assert_array_equal(res.lengths, [N_NEW, N_NEW])
-    np.testing.assert_array_equal(res.state["pos"], [10 + N_NEW - 1, 6 + N_NEW - 1])
+    np.testing.assert_array_equal(res.state.pos, [10 + N_NEW - 1, 6 + N_NEW - 1])
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(res.state),
                             jax.tree.leaves(small["ref_state"])):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
@@ -97,7 +97,7 @@ def test_eos_ends_a_row(small):
         np.testing.assert_array_equal(res.tokens[b, :n], ref[b, :n])
         assert (np.asarray(res.tokens[b, n:]) == -1).all()
     steps = max(want_len) - 1
-    np.testing.assert_array_equal(res.state["pos"], [10 + steps, 6 + steps])
+    np.testing.assert_array_equal(res.state.pos, [10 + steps, 6 + steps])
 
 
 def test_every_row_done_early_stops_the_loop(small):
@@ -109,7 +109,7 @@ def test_every_row_done_early_stops_the_loop(small):
     want = [min(list(r).index(e) for e in (ref[0, 1], ref[1, 1]) if e in r) + 1 for r in ref]
     assert max(want) == 2
     np.testing.assert_array_equal(res.lengths, want)
-    np.testing.assert_array_equal(res.state["pos"], [11, 7])
+    np.testing.assert_array_equal(res.state.pos, [11, 7])
 
 
 @pytest.mark.annotations_unchecked

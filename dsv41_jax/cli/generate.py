@@ -62,25 +62,25 @@ def random_weight_bytes(cfg: ModelConfig) -> int:
                for shape, dts in checkpoint.expected_tensors(cfg).values())
 
 
-def state_report(cfg: ModelConfig, state: dict) -> list[str]:
+def state_report(cfg: ModelConfig, state: st.InferenceState) -> list[str]:
     """Human-readable sizes of the inference state (entries and bytes per source)."""
-    pos = np.asarray(state["pos"])
+    pos = np.asarray(state.pos)
     lines = [f"tokens in state: {pos.tolist()}"]
     total = 0
-    for name, src in state["kv"].items():
-        r = cfg.compress_ratios[int(name[1:])]
+    for layer, src in state.sources.items():
+        r = cfg.compress_ratios[layer]
         n = pos // r
-        per = sum(src[k].shape[-1] * src[k].dtype.itemsize
-                  for k in ("main", "main_scale", "index", "index_scale"))
+        per = sum(a.shape[-1] * a.dtype.itemsize
+                  for a in (src.main, src.main_scale, src.index, src.index_scale))
         used = int(n.max()) * per
         total += used
         tail = ""
-        if "tail_kv" in src:
+        if src.tail is not None:
             tail = f", compressor tail {'pending' if (pos % 2).any() else 'empty'} " \
-                   f"({(src['tail_kv'].nbytes + src['tail_score'].nbytes) // pos.size} B/row)"
-        lines.append(f"global KV source layer {name[1:]} (ratio {r}): {n.tolist()} entries x "
-                     f"{per} B = {used} B (main KV {src['main'].shape[-1] + src['main_scale'].shape[-1]}"
-                     f" B + indexer K {src['index'].shape[-1] + src['index_scale'].shape[-1]} B "
+                   f"({(src.tail.kv.nbytes + src.tail.score.nbytes) // pos.size} B/row)"
+        lines.append(f"global KV source layer {layer} (ratio {r}): {n.tolist()} entries x "
+                     f"{per} B = {used} B (main KV {src.main.shape[-1] + src.main_scale.shape[-1]}"
+                     f" B + indexer K {src.index.shape[-1] + src.index_scale.shape[-1]} B "
                      f"per entry){tail}")
     toks = max(int(pos.max()), 1)
     release = ""
@@ -90,12 +90,13 @@ def state_report(cfg: ModelConfig, state: dict) -> list[str]:
     lines.append(f"global KV: {total} B for {toks} tokens = {total / toks:.1f} B/token "
                  f"(capacity layout: {st.global_kv_bytes_per_token(cfg, 4096):.1f} B/token"
                  f"{release})")
-    ring = sum(r["kv"].nbytes + r["scale"].nbytes for r in state["window"].values()) // pos.size
-    lines.append(f"window rings: {len(state['window'])} layers x {cfg.window_size} slots, "
+    ring = sum(w.kv.nbytes + w.scale.nbytes for w in state.windows) // pos.size
+    lines.append(f"window rings: {len(state.windows)} layers x {cfg.window_size} slots, "
                  f"{ring} B per row (FP8 e4m3 + E8M0 per 32)")
-    if "enc_ring" in state:
-        e = state["enc_ring"]
-        lines.append(f"encoder output ring (bounded replay): {(e['x'].nbytes + e['pre_mix'].nbytes) // pos.size} B per row")
+    if state.enc_ring is not None:
+        e = state.enc_ring
+        lines.append(f"encoder output ring (bounded replay): "
+                     f"{(e.x.nbytes + e.pre_mix.nbytes) // pos.size} B per row")
     return lines
 
 
@@ -353,7 +354,7 @@ def _prefill(params, cfg, rows: list[list[int]], capacity: int, chunk: int, mode
                 start[b] += c
             out, state = model.prefill(params, cfg, toks, state, counts, mode=mode)
             bar.update(sum(counts))
-    return out["logits"], state
+    return out.logits, state
 
 
 def _warm_generate(params, cfg, B, capacity, max_new_tokens, sampling, seed):
