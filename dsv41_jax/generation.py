@@ -28,11 +28,6 @@ from dsv41_jax.dtypes import F32
 from dsv41_jax.sampling import SamplingParams, sample
 
 
-def _pos(state) -> Any:
-    """Tokens consumed per row, int32 [B], of an inference state (dict or dataclass)."""
-    return state.pos if hasattr(state, "pos") else state["pos"]
-
-
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "lengths", "state"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +142,9 @@ def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
     token is not run through the model, so a row of the longest length holds all its generated
     tokens except the last; a shorter row holds all its tokens (its last one included) and then
     repeats of its last token up to that count. To continue a row of the longest length, feed
-    its last token (``decode_step`` or a prefill).
+    its last token (``decode_step`` or a prefill). Without ``eos_ids`` the returned state also
+    carries its positions on the host (:func:`dsv41_jax.model.host_positions`), so the next
+    call's checks read nothing back from the device.
 
     Returns :class:`GenerationResult` (tokens int32 [B, max_new_tokens] padded with -1, lengths
     int32 [B], state).
@@ -167,7 +164,7 @@ def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
         raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an integer, got {seed!r}")
-    pos = np.asarray(_pos(state))
+    pos = model.host_positions(state)   # no device read after prefill / decode_step
     B = pos.shape[0]
     shape = tuple(np.shape(logits))
     if shape != (B, cfg.vocab_size):
@@ -190,9 +187,12 @@ def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
     # padded with -1 (never sampled) to a multiple of 8: up to 8 EOS ids share one program
     eos_arr = np.full((max(8, -(-len(eos) // 8) * 8),), -1, np.int32)
     eos_arr[:len(eos)] = eos
-    return _loop_jit(params, state, jnp.asarray(logits, F32), jax.random.key(int(seed)),
-                     jnp.asarray(eos_arr), cfg=cfg, sampling=sampling,
-                     max_new_tokens=max_new_tokens, attn_impl=attn_impl)
+    res = _loop_jit(params, state, jnp.asarray(logits, F32), jax.random.key(int(seed)),
+                    jnp.asarray(eos_arr), cfg=cfg, sampling=sampling,
+                    max_new_tokens=max_new_tokens, attn_impl=attn_impl)
+    if not eos:   # every row takes max_new_tokens - 1 steps: known without a device read
+        model._with_host_positions(res.state, pos + max_new_tokens - 1)
+    return res
 
 
 def length_buckets(limit: int, smallest: int = 16) -> tuple[int, ...]:

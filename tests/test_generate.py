@@ -76,6 +76,7 @@ def test_greedy_generate_equals_a_decode_step_loop(small):
     np.testing.assert_array_equal(res.tokens, small["ref"])
     np.testing.assert_array_equal(res.lengths, [N_NEW, N_NEW])
     np.testing.assert_array_equal(res.state.pos, [10 + N_NEW - 1, 6 + N_NEW - 1])
+    np.testing.assert_array_equal(model.host_positions(res.state), res.state.pos)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(res.state),
                             jax.tree.leaves(small["ref_state"])):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
@@ -98,6 +99,7 @@ def test_eos_ends_a_row(small):
         assert (np.asarray(res.tokens[b, n:]) == -1).all()
     steps = max(want_len) - 1
     np.testing.assert_array_equal(res.state.pos, [10 + steps, 6 + steps])
+    np.testing.assert_array_equal(model.host_positions(res.state), res.state.pos)
 
 
 def test_every_row_done_early_stops_the_loop(small):
