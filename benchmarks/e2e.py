@@ -14,13 +14,14 @@ Rows (each with its own static shapes; every row's first call compiles and is ti
 
 Per row: tokens/s, time, device time and kernel launches per call or step (a
 ``jax.profiler`` trace of further calls: the device streams' events), the first call minus the
-steady time (compilation, cold in this process), peak device memory, and beside them the
-floor: prefill = :func:`prefill_flops` / the bf16 matmul rate, decode = :func:`decode_bytes` /
-the copy bandwidth, both rates measured in the same run (:func:`benchmarks.timing.roofline`).
+steady time (compilation, cold in this process), peak device memory (the process's peak up
+to the end of the row: JAX keeps no per-row peak), and beside them the floor: prefill =
+:func:`prefill_flops` / the bf16 matmul rate, decode = :func:`decode_bytes` / the copy
+bandwidth, both rates measured in the same run (:func:`benchmarks.timing.roofline`).
 The printed ratios are time / floor and time / peer.
 
-**Peer**: ``--peer PATH`` (default ``.whl/peer_nemo.py`` where it exists: NeMo AutoModel's
-PyTorch implementation of this model, ``shared/bench/README.md``) runs in a child process
+**Peer**: ``--peer PATH`` (default ``.whl/peer_nemo.py`` where it exists: a script timing
+NeMo AutoModel's PyTorch implementation of this model at the ``mid`` config) runs in a child process
 before JAX takes the GPU, with the wheels found beside it installed into a temporary folder;
 its prefill tokens/s and next-token time are merged into the rows of the same length.
 
@@ -231,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true",
                     help="--config tiny with smoke-test sizes (64 tokens, batch 1, 3 steps)")
     ap.add_argument("--rows", default="prefill,decode",
-                    help="comma-separated row kinds: prefill, decode (default both)")
+                    help="comma-separated row kinds: prefill, decode (default both); none: "
+                         "no rows (the peer and --compile-check only)")
     ap.add_argument("--lengths", type=positive_ints, default=None,
                     help="prefill lengths (default 4096,16384,65536)")
     ap.add_argument("--modes", default="ced,exact", help="prefill modes: ced, exact")
@@ -309,8 +311,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     small = args.config == "tiny"
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     bad = [r for r in args.rows if r not in ROW_KINDS]
-    if not args.rows or bad:
-        ap.error(f"argument --rows: {(bad or [''])[0]!r} is not one of {', '.join(ROW_KINDS)}")
+    if args.rows == ["none"]:
+        args.rows = []
+    elif not args.rows or bad:
+        ap.error(f"argument --rows: {(bad or [''])[0]!r} is not one of "
+                 f"{', '.join(ROW_KINDS)} (or none alone)")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         ap.error(f"argument --modes: {args.modes} is not a list of {', '.join(MODES)}")
@@ -769,10 +774,11 @@ def _compile_child_main() -> None:
 
 
 def compile_check(args) -> dict:
-    """The cold / warm compile check (module docstring), at the first prefill length (or the
-    first decode context) and the first mode."""
-    n = min(args.lengths) if "prefill" in args.rows else min(args.contexts)
-    mode = args.modes[0] if "prefill" in args.rows else args.fill
+    """The cold / warm compile check (module docstring), at the shortest prefill length and
+    the first ``--modes`` mode (with decode rows only: the shortest context and ``--fill``)."""
+    by_decode = "decode" in args.rows and "prefill" not in args.rows
+    n = min(args.contexts) if by_decode else min(args.lengths)
+    mode = args.fill if by_decode else args.modes[0]
     cache = tempfile.mkdtemp(prefix="dsv41-e2e-cache-")
     spec = {"config": args.config, "length": n, "mode": mode, "headroom": args.headroom,
             "chunk": args.chunk, "seed": args.seed, "attn_impl": args.attn_impl,

@@ -164,6 +164,7 @@ def test_peer_plumbing(tmp_path):
 @pytest.mark.parametrize("argv, match", [
     (["--rows", "prefill,bogus"], "argument --rows: 'bogus' is not one of prefill, decode"),
     (["--rows", ","], "argument --rows: '' is not one of prefill, decode"),
+    (["--rows", "none,decode"], "argument --rows: 'none' is not one of prefill, decode (or"),
     (["--modes", "ced,fast"], "argument --modes: ['ced', 'fast'] is not a list of ced, exact"),
     (["--batches", "0"], "argument --batches: must be >= 1, got 0"),
     (["--config", "huge"], "argument --config: invalid choice: 'huge'"),
@@ -180,6 +181,17 @@ def test_bench_e2e_refuses(argv, match, capsys):
     assert e.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("dsv41-bench-e2e: error: ") and match in last, last
+
+
+def test_rows_none_and_order():
+    """``--rows none`` plans no row; otherwise per length its prefill rows, then its decode
+    rows, shorter lengths first."""
+    assert e2e.planned_rows(e2e.parse_args(["--tiny", "--rows", "none"])) == []
+    args = e2e.parse_args(["--tiny", "--lengths", "128,64", "--contexts", "64",
+                           "--batches", "8,1", "--modes", "exact"])
+    assert [(r["kind"], r.get("length", r.get("context")), r.get("batch"))
+            for r in e2e.planned_rows(args)] == [
+        ("prefill", 64, None), ("decode", 64, 1), ("decode", 64, 8), ("prefill", 128, None)]
 
 
 def _finite_positive(x):
