@@ -21,9 +21,9 @@ bandwidth, both rates measured in the same run (:func:`benchmarks.timing.rooflin
 The printed ratios are time / floor and time / peer.
 
 **Peer**: ``--peer PATH`` (default ``.whl/peer_nemo.py`` where it exists: a script timing
-NeMo AutoModel's PyTorch implementation of this model at the ``mid`` config) runs in a child process
-before JAX takes the GPU, with the wheels found beside it installed into a temporary folder;
-its prefill tokens/s and next-token time are merged into the rows of the same length.
+NeMo AutoModel's PyTorch implementation of this model at the ``mid`` config) runs in a child
+process before JAX takes the GPU, with the wheels found beside it installed into a temporary
+folder; its prefill tokens/s and next-token time are merged into the rows of the same length.
 
 **Compile check** (``--compile-check``): the first prefill and the first decode step in a child
 process with JAX's persistent compilation cache in a fresh folder (cold), then in a second child
