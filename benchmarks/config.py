@@ -21,15 +21,22 @@ pool, Reuse, Reindex) and an Engram layer.
 
 :func:`reductions` lists every key that differs from the release config (``release`` vs
 ``bench`` value), for the benchmark's printed and JSON output.
+
+:func:`e2e_config` gives the end-to-end benchmark's configs (``mid``, ``release-fit``,
+``tiny``), and :func:`loaded_tensor_bytes` / :func:`param_bytes_by_group` the bytes of the
+parameters as the loader holds them, from which ``release-fit`` picks its expert count.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 
 import numpy as np
 
+from dsv41_jax.checkpoint import expected_tensors
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.engram import _next_prime
 
@@ -147,3 +154,134 @@ def reductions(cfg: ModelConfig, release: dict) -> dict:
     ref = ModelConfig.from_dict(release).to_dict()
     cur = cfg.to_dict()
     return {k: {"release": ref[k], "bench": cur[k]} for k in cur if cur[k] != ref[k]}
+
+
+# ----------------------------------------------------------------------------- end to end
+
+#: The end-to-end benchmark's configs (:func:`e2e_config`).
+E2E_CONFIGS = ("mid", "release-fit", "tiny")
+
+#: ``mid``: the release attention, indexer, candidate pool and 40-layer layout at width 2048
+#: with 16 small experts; the PyTorch peer's ``mid`` preset (``shared/bench/peer_nemo.py``).
+MID_OVERRIDES = dict(dim=2048, n_routed_experts=16, n_activated_experts=6, moe_inter_dim=512)
+
+#: ``release-fit``: the memory of one H200 as the benchmark budgets it (141 GB), and what stays
+#: free beside the weights (activations, the state, XLA's workspace).
+GPU_BYTES = 141e9
+HEADROOM_BYTES = 16e9
+
+_DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1}
+
+
+def loaded_tensor_bytes(cfg: ModelConfig) -> dict[str, int]:
+    """Bytes of every text-model tensor of :func:`dsv41_jax.checkpoint.expected_tensors` as the
+    loader holds it (:func:`dsv41_jax.checkpoint.params_from_tensors`): the first allowed dtype,
+    with the load-time conversions applied: the head in fp32, ``wo_a`` dequantised to bf16 (its
+    scale dropped), the ratio-2 compressors' ``wkv`` / ``wgate`` in fp32. Engram's hashing
+    constants and token map (a few KB) are not tensors of the checkpoint and not counted."""
+    out = {}
+    for name, (shape, dtypes) in expected_tensors(cfg).items():
+        size = math.prod(shape) * _DTYPE_BYTES[dtypes[0]]
+        if name == "head.weight":
+            size = math.prod(shape) * 4
+        elif ".attn.wo_a." in name:
+            size = 0 if name.endswith(".scale") else math.prod(shape) * 2
+        elif ".attn.compressor.w" in name:
+            layer = int(re.match(r"layers\.(\d+)\.", name).group(1))
+            if cfg.compress_ratios[layer] > 1:
+                size = math.prod(shape) * 4
+        out[name] = size
+    return out
+
+
+def param_group(name: str) -> str:
+    """The group of a tensor name for the byte counts: ``embed`` (the token embedding), ``head``,
+    ``experts`` (routed experts), ``engram_tables`` (Engram's hashed embedding tables),
+    ``attn_fp8`` (FP8 linears of the attention sublayers, indexer included), else ``dense``."""
+    if name == "embed.weight":
+        return "embed"
+    if name == "head.weight":
+        return "head"
+    if ".ffn.experts." in name:
+        return "experts"
+    if ".engram.embed." in name:
+        return "engram_tables"
+    return "dense"
+
+
+def param_bytes_by_group(cfg: ModelConfig) -> dict[str, int]:
+    """Loaded parameter bytes (:func:`loaded_tensor_bytes`) per :func:`param_group`, and
+    ``attn_fp8_elements``: the elements of the FP8 attention weights (``layers.*.attn.*``,
+    indexer included; ``wo_a`` is bf16 already), whose bf16 copy a prepared layout may hold."""
+    exp = expected_tensors(cfg)
+    out = dict.fromkeys(("embed", "head", "experts", "engram_tables", "dense"), 0)
+    fp8_attn = 0
+    for name, size in loaded_tensor_bytes(cfg).items():
+        out[param_group(name)] += size
+        shape, dtypes = exp[name]
+        if (".attn." in name and name.endswith(".weight") and dtypes[0] == "float8_e4m3fn"
+                and ".wo_a." not in name):
+            fp8_attn += math.prod(shape)
+    out["attn_fp8_elements"] = fp8_attn
+    return out
+
+
+def fit_bytes(cfg: ModelConfig) -> int:
+    """What ``release-fit`` budgets for a config: the loaded parameters plus a bf16 copy of the
+    FP8 attention weights (:func:`param_bytes_by_group`)."""
+    g = param_bytes_by_group(cfg)
+    return sum(v for k, v in g.items() if k != "attn_fp8_elements") + 2 * g["attn_fp8_elements"]
+
+
+def _release_fit_dict(n_routed_experts: int) -> dict:
+    d = _no_extras(load_release_dict())
+    d.update(n_routed_experts=n_routed_experts, n_activated_experts=min(6, n_routed_experts))
+    return _shrink_engram(d, "drop", 0)
+
+
+def release_fit_experts(gpu_bytes: float = GPU_BYTES, headroom: float = HEADROOM_BYTES,
+                        multiple: int = 8) -> tuple[int, dict]:
+    """The largest routed-expert count (a multiple of ``multiple``, at most the release's 384,
+    at least 6 + 2 so that 6 are activated) whose :func:`fit_bytes` plus ``headroom`` fit
+    ``gpu_bytes``, at the release dimensions with Engram, DSpark and vision off. Returns
+    ``(experts, {"fit_bytes", "per_expert_bytes", "gpu_bytes", "headroom_bytes"})``. Raises
+    ``ValueError`` when not even ``multiple`` experts fit."""
+    def size(e):
+        return fit_bytes(ModelConfig.from_dict(_release_fit_dict(e)))
+    a, b = size(multiple), size(2 * multiple)          # bytes are linear in the expert count
+    per = (b - a) / multiple
+    top = load_release_dict()["n_routed_experts"]
+    e = min(top, multiple * int((gpu_bytes - headroom - (a - multiple * per)) // (per * multiple)))
+    while e >= multiple and size(e) + headroom > gpu_bytes:
+        e -= multiple
+    if e < multiple:
+        raise ValueError(f"not even {multiple} routed experts fit {gpu_bytes / 1e9:.0f} GB")
+    return e, {"fit_bytes": size(e), "per_expert_bytes": per, "gpu_bytes": gpu_bytes,
+               "headroom_bytes": headroom}
+
+
+def e2e_config(name: str) -> tuple[ModelConfig, dict]:
+    """``(cfg, release_dict)`` of an end-to-end benchmark config (:data:`E2E_CONFIGS`).
+
+    * ``mid``: ``configs/flash.json`` with :data:`MID_OVERRIDES` (dim 2048, 16 routed experts of
+      which 6 activated, expert width 512); Engram, DSpark and vision off; the 40 layers, the
+      attention, indexer and candidate pool and the 129,280-token vocabulary as released.
+    * ``release-fit``: the release dimensions (dim 5120, expert width 2304, 40 layers, the
+      vocabulary) with Engram, DSpark and vision off and as many routed experts as fit one
+      141 GB GPU (:func:`release_fit_experts`; 6 activated).
+    * ``tiny``: :func:`tiny_config` without Engram (CPU smoke tests).
+
+    Raises ``ValueError`` for another name.
+    """
+    if name == "mid":
+        d = _no_extras(load_release_dict())
+        d.update(MID_OVERRIDES)
+        d = _shrink_engram(d, "drop", 0)
+    elif name == "release-fit":
+        d = _release_fit_dict(release_fit_experts()[0])
+    elif name == "tiny":
+        return tiny_config("drop")
+    else:
+        raise ValueError(f"unknown end-to-end config {name!r}: expected one of "
+                         f"{', '.join(E2E_CONFIGS)}")
+    return ModelConfig.from_dict(d), load_release_dict()

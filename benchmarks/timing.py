@@ -81,13 +81,24 @@ def device_profile(many, args_list, reps: int) -> dict:
     the device's streams, summed: what the op costs the GPU, without the launch gaps of a loop
     of small ops; work overlapping on several streams would count twice, but these ops run on
     one compute stream; None when the trace has no device streams, as on CPU) and the kernels
-    (on CPU: the host events), longest first."""
-    calls = reps * len(args_list)
+    (on CPU: the host events), longest first. See :func:`trace_profile`."""
+    def run():
+        for _ in range(reps):
+            jax.block_until_ready(many(args_list))
+    return trace_profile(run, reps * len(args_list))
+
+
+def trace_profile(run, calls: int) -> dict:
+    """Call ``run()`` (it makes ``calls`` op calls, compiled already, and waits for them) under
+    ``jax.profiler.trace`` and read the trace: ``wall_us_per_op``, ``device_us_per_op`` (the
+    device streams' events summed per op call; None without device streams, as on CPU),
+    ``launches_per_op`` (device-stream events per op call that are kernels, not memory copies
+    or sets; None without device streams), ``copies_per_op`` (the memory copies and sets),
+    ``kernels`` (per name, longest first; on CPU the host events) and ``trace_lines``."""
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             t0 = time.perf_counter()
-            for _ in range(reps):
-                jax.block_until_ready(many(args_list))
+            run()
             wall = (time.perf_counter() - t0) / calls
         events = trace_events(log_dir)
     device = [e for e in events if "/device:" in e["process"] and "host" not in e["process"]]
@@ -95,6 +106,7 @@ def device_profile(many, args_list, reps: int) -> dict:
     streams = [e for e in device if e["thread"].startswith("Stream")]
     device = streams or device
     total = sum(float(e.get("dur", 0.0)) for e in device) / calls if device else None
+    copies = [e for e in device if _is_copy(e)]
     per = collections.defaultdict(lambda: [0, 0.0])
     for e in device or [e for e in events if e.get("dur")]:   # CPU: the host events
         per[e["name"]][0] += 1
@@ -102,8 +114,18 @@ def device_profile(many, args_list, reps: int) -> dict:
     kernels = sorted(({"name": k, "calls_per_op": n / calls, "us_per_op": d / calls}
                       for k, (n, d) in per.items()), key=lambda r: -r["us_per_op"])
     lines = collections.Counter(f"{e['process']} / {e['thread']}" for e in events)
-    return {"wall_us_per_op": wall * 1e6, "device_us_per_op": total, "kernels": kernels,
+    return {"wall_us_per_op": wall * 1e6, "device_us_per_op": total,
+            "launches_per_op": (len(device) - len(copies)) / calls if device else None,
+            "copies_per_op": len(copies) / calls if device else None, "kernels": kernels,
             "trace_lines": dict(lines.most_common(12))}
+
+
+def _is_copy(event: dict) -> bool:
+    """A device-stream event that is a memory copy or set (CUPTI names them ``Memcpy*`` /
+    ``Memset*``), not a kernel launch. Only the event's name counts: a GPU stream's own name
+    lists every kind of work it ran ("Stream #14(Kernel,Memcpy)")."""
+    name = event.get("name", "").lower()
+    return "memcpy" in name or "memset" in name
 
 
 # ----------------------------------------------------------------------------- roofline
@@ -119,15 +141,16 @@ def pallas_copy(x: jax.Array, block_rows: int) -> jax.Array:
                           compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1))(x)
 
 
-def roofline(reps: int) -> dict:
+def roofline(reps: int, copy_bytes: int = 1 << 30, matmul_n: int = 8192) -> dict:
     """Copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s) of this device.
 
     The copy roof is the best of an XLA elementwise op and (on a GPU) plain Pallas copies of a
-    1 GiB array: XLA's bf16 elementwise fusion reaches only 2.4-2.6 TB/s on the H200, where a
-    copy kernel reaches about 4.2 TB/s, so the XLA number alone would overstate every
-    bandwidth-bound roofline fraction.
+    ``copy_bytes`` array (default 1 GiB): XLA's bf16 elementwise fusion reaches only 2.4-2.6
+    TB/s on the H200, where a copy kernel reaches about 4.2 TB/s, so the XLA number alone would
+    overstate every bandwidth-bound roofline fraction. The matmul rate is that of
+    ``matmul_n``-cubed bf16 products (default 8192). Smaller sizes are for CPU smoke tests.
     """
-    x = jnp.ones((1 << 29,), BF16)                           # 1 GiB
+    x = jnp.ones((copy_bytes // 2,), BF16)
     nbytes = 2 * x.size * 2
     copies = {"xla_add": nbytes / time_fn(lambda a: a + jnp.asarray(1, BF16), [(x,)], reps) / 1e9}
     if jax.default_backend() in ("gpu", "cuda"):
@@ -139,7 +162,7 @@ def roofline(reps: int) -> dict:
             except Exception as e:  # noqa: BLE001 (the XLA number still stands)
                 print(f"  pallas copy {rows} rows: {type(e).__name__}: {str(e)[:200]}")
     del x
-    n = 8192
+    n = matmul_n
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), F32).astype(BF16)
     mats = [(a + jnp.asarray(i, BF16), a) for i in range(4)]
     t = time_fn(lambda p, q: jnp.dot(p, q, preferred_element_type=F32), mats, reps)

@@ -1,0 +1,234 @@
+"""The end-to-end benchmark (:mod:`benchmarks.e2e`): its byte and FLOP counts against hand
+counts on the tiny config, its configs, the peer's plumbing (a stand-in script), its refusals
+of bad options, and a CPU smoke run of the whole command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import textwrap
+
+import jax
+import pytest
+
+from benchmarks import config as bench_config
+from benchmarks import e2e
+from dsv41_jax import random_weights
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return bench_config.e2e_config("tiny")[0]
+
+
+def test_loaded_bytes_match_the_params(tiny):
+    """The loader's bytes (load-time conversions included) are those of the real pytree."""
+    shapes = jax.eval_shape(lambda: random_weights.random_params_device(tiny, 0))
+    real = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    assert sum(bench_config.loaded_tensor_bytes(tiny).values()) == real
+    g = bench_config.param_bytes_by_group(tiny)
+    assert g["head"] == 512 * 64 * 4                        # fp32 head
+    assert g["embed"] == 512 * 64 * 2
+    # 6 layers x 4 experts x (w1, w3: [64, 32] codes + [64, 2] scales; w2: [64, 32] + [64, 2])
+    assert g["experts"] == 6 * 4 * 3 * (64 * 32 + 64 * 2)
+    assert g["engram_tables"] == 0
+
+
+def test_decode_bytes_hand_count(tiny):
+    """Tiny: 6 layers, ratios [0, 2, 2, 1, 1, 1], index sources 1, 3, 5 (5 inside the
+    candidate pool of 4 blocks x 4), window 16, top-k 8, head dim 64, indexer dim 64."""
+    parts = e2e.decode_bytes_parts(tiny, 2, 20)
+    win = 15 * (64 + 2) * 6              # ring entries (new token computed) x FP8 row x layers
+    topk = 8 * (32 + 4) * 5              # 5 sparse layers: min(8, visible) FP4 main KV rows
+    index = (21 // 2 + 21 + 16) * (32 + 2)   # layer 1: 10 visible, layer 3: 21, layer 5: pool
+    assert parts["kv"] == 2 * (win + topk + index)
+    assert parts["experts"] == 6 * 4 * 3 * 2176             # 2 rows x 2 experts: all 4 read
+    assert e2e.decode_bytes_parts(tiny, 1, 20)["experts"] == 6 * 2 * 3 * 2176
+    assert parts["head"] == 512 * 64 * 4 and parts["embed_rows"] == 2 * 64 * 2
+    g = bench_config.param_bytes_by_group(tiny)
+    assert parts["dense"] == g["dense"] and parts["engram_rows"] == 0
+    assert e2e.decode_bytes(tiny, 2, 20) == sum(v for k, v in parts.items() if k != "total")
+    # early context: fewer entries than the window and the top-k
+    early = e2e.decode_bytes_parts(tiny, 1, 3)["kv"]
+    assert early == 3 * 66 * 6 + (2 * 2 + 3 * 4) * 36 + (2 + 4 + 4) * 34
+
+
+def test_prefill_flops_hand_count(tiny):
+    """Hand counts on the tiny config (dim 64, q_lora 64, 4 heads x 64, 2 groups x 64, 4
+    experts of 64 with 2 active + 1 shared, 4 streams, indexer 4 x 64, vocabulary 512)."""
+    per_pos = 2 * ((4096 + 16384 + 4096 + 16384 + 8192)     # wq_a, wq_b, wkv, wo_a, wo_b
+                   + 2 * 24 * 256                           # two mHC heads
+                   + 256 + 3 * 4096 * 3)                    # router, 2 routed + 1 shared
+    idx_pos = 2 * (16384 + 256)                             # indexer wq_b, weights_proj
+    exact8 = e2e.prefill_flops_parts(tiny, 8, "exact")
+    assert exact8["linear"] + exact8["mhc"] + exact8["moe"] == per_pos * 8 * 6
+    # window lists 36 per layer; top-k lists 16 (ratio 2) and 36 (ratio 1); 1024 per entry
+    assert exact8["attention"] == 1024 * (36 * 6 + 16 * 2 + 36 * 3)
+    assert exact8["indexer"] == idx_pos * 8 * 3 + 2 * 256 * (16 + 36 + 36)
+    assert exact8["compressor"] == (2 * 8 * 4096 * 2 + 2 * 4 * 4096) + (2 * 8 * 4096 * 2)
+    assert exact8["head"] == 2 * 512 * 64
+    assert exact8["total"] == 11_030_528
+    # up to the window, CED replays every position: the same work
+    assert e2e.prefill_flops(tiny, 8, "ced") == exact8["total"]
+    # 32 tokens: the decoder (layers 3-5) runs over positions 16..31 only, its KV source
+    # (layer 3) still compresses all 32
+    ced = e2e.prefill_flops_parts(tiny, 32, "ced")
+    assert ced["linear"] + ced["mhc"] + ced["moe"] == per_pos * (3 * 32 + 3 * 16)
+    assert ced["attention"] == 1024 * (392 * 3 + 256 * 3 + 192 * 2 + 128 * 3)
+    assert ced["indexer"] == idx_pos * (32 + 16 + 16) + 2 * 256 * (256 + 392 + 256)
+    assert ced["compressor"] == 524_288 + 131_072 + 262_144 + 262_144
+    assert ced["total"] == 35_000_320
+    assert e2e.prefill_flops(tiny, 32, "exact") > ced["total"]
+    # chunks of 16: the decoder replays the last 16 positions of each chunk (all 32 here)
+    assert e2e.prefill_flops(tiny, 32, "ced", chunk=16) == e2e.prefill_flops(tiny, 32, "exact")
+
+
+def test_trace_copies_are_not_launches():
+    """A GPU stream's name lists the kinds of work it ran: only the event's name decides."""
+    from benchmarks.timing import _is_copy
+    assert _is_copy({"name": "MemcpyH2D", "thread": "Stream #13(MemcpyH2D)"})
+    assert _is_copy({"name": "Memset (Device)", "thread": "Stream #7"})
+    assert not _is_copy({"name": "loop_multiply_fusion_5",
+                         "thread": "Stream #14(Kernel,Memset,MemcpyD2D)"})
+
+
+def test_e2e_configs():
+    mid, rel = bench_config.e2e_config("mid")
+    assert (mid.dim, mid.n_routed_experts, mid.n_activated_experts, mid.moe_inter_dim) == (
+        2048, 16, 6, 512)
+    assert (mid.n_layers, mid.vocab_size, mid.n_heads, mid.head_dim) == (40, 129280, 64, 512)
+    assert mid.engram_layer_ids == () and mid.n_mtp_layers == 0 and mid.vision_n_layers == 0
+    assert mid.compress_ratios == tuple(rel["compress_ratios"])
+    fit, _ = bench_config.e2e_config("release-fit")
+    assert (fit.dim, fit.moe_inter_dim, fit.n_layers, fit.vocab_size) == (5120, 2304, 40, 129280)
+    e, info = bench_config.release_fit_experts()
+    assert fit.n_routed_experts == e and e % 8 == 0 and fit.n_activated_experts == 6
+    assert bench_config.fit_bytes(fit) + 16e9 <= 141e9 < (
+        bench_config.fit_bytes(fit.replace(n_routed_experts=e + 8)) + 16e9)
+    assert info["fit_bytes"] == bench_config.fit_bytes(fit)
+    with pytest.raises(ValueError, match="unknown end-to-end config"):
+        bench_config.e2e_config("huge")
+
+
+def test_table_placeholder_and_rows():
+    text = e2e.markdown_table()
+    lines = text.splitlines()
+    assert lines[0].startswith("| row | time | tokens/s |")
+    assert len(lines) == 2 + 6 + 6 * 2          # 6 prefill rows, 6 decode rows + their loops
+    assert "| prefill CED 4K | not yet measured |" in text
+    assert "| decode B=64, 32K, on-device loop | not yet measured |" in text
+
+
+def test_peer_plumbing(tmp_path):
+    """A stand-in peer script: its arguments, the wheel folder and the merge into rows."""
+    script = tmp_path / "peer_nemo.py"
+    script.write_text(textwrap.dedent("""
+        import argparse, json, sys
+        ap = argparse.ArgumentParser()
+        for a in ("--preset", "--prefill", "--eager-prefill", "--eager-decode",
+                  "--decode-prefix", "--try-lengths", "--try-eager", "--budget-s", "--json"):
+            ap.add_argument(a)
+        a = ap.parse_args()
+        res = {f"sparse/prefill_{n}": {"ms_median": 2000.0, "tokens_per_s": int(n) / 2.0}
+               for n in a.prefill.split(",") if n}
+        res[f"sparse/decode1_after_{a.decode_prefix}_recompute"] = {"ms_median": 500.0}
+        res["eager/prefill_4096"] = {"oom": "no"}
+        json.dump({"preset": a.preset, "argv": sys.argv[1:], "results": res}, open(a.json, "w"))
+    """))
+    args = argparse.Namespace(config="mid", lengths=[4096, 65536], contexts=[4096, 32768],
+                              rows=["prefill", "decode"], peer=str(script),
+                              peer_python=e2e.sys.executable, peer_timeout=120)
+    peer = e2e.run_peer(args)
+    assert peer["rc"] == 0, peer
+    assert peer["record"]["preset"] == "mid"
+    argv = peer["record"]["argv"]
+    assert argv[argv.index("--prefill") + 1] == "4096"      # 64K is past the peer's reach
+    assert argv[argv.index("--decode-prefix") + 1] == "4096"
+    assert peer["summary"] == {"prefill": {4096: {"seconds": 2.0, "tokens_per_s": 2048.0}},
+                               "next_token": {4096: {"ms": 500.0}}}
+    pre = {"kind": "prefill", "length": 4096, "seconds": 0.5}
+    e2e.add_peer(pre, peer)
+    assert pre["x_peer"] == 0.25 and pre["peer_tokens_per_s"] == 2048.0
+    dec = {"kind": "decode", "batch": 1, "context": 4096, "ms_per_step": 50.0,
+           "loop": {"ms_per_step": 25.0}}
+    e2e.add_peer(dec, peer)
+    assert dec["x_peer"] == 0.1 and dec["loop"]["x_peer"] == 0.05
+    other = {"kind": "decode", "batch": 8, "context": 4096, "ms_per_step": 50.0}
+    e2e.add_peer(other, peer)
+    assert "x_peer" not in other
+    assert "skipped" in e2e.run_peer(argparse.Namespace(**dict(vars(args),
+                                                               config="release-fit")))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--rows", "prefill,bogus"], "argument --rows: 'bogus' is not one of prefill, decode"),
+    (["--rows", ","], "argument --rows: '' is not one of prefill, decode"),
+    (["--rows", "none,decode"], "argument --rows: 'none' is not one of prefill, decode (or"),
+    (["--modes", "ced,fast"], "argument --modes: ['ced', 'fast'] is not a list of ced, exact"),
+    (["--batches", "0"], "argument --batches: must be >= 1, got 0"),
+    (["--config", "huge"], "argument --config: invalid choice: 'huge'"),
+    (["--steps", "300"], "argument --headroom: 256 tokens cannot hold the 605 decode steps"),
+    (["--budget-s", "-1"], "argument --budget-s: must be >= 0, got -1.0"),
+    (["--attn-impl", "bogus"], "argument --attn-impl: attn_impl must be one of"),
+    (["--out", "no/such/dir/x.json"], "argument --out: no such directory: no/such/dir"),
+    (["--peer", "no/such/peer.py"], "argument --peer: no such file: no/such/peer.py"),
+])
+def test_bench_e2e_refuses(argv, match, capsys):
+    """Bad options: exit status 2 and one line naming the option, before anything runs."""
+    with pytest.raises(SystemExit) as e:
+        e2e.main(["--tiny", *argv])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("dsv41-bench-e2e: error: ") and match in last, last
+
+
+def test_rows_none_and_order():
+    """``--rows none`` plans no row; otherwise per length its prefill rows, then its decode
+    rows, shorter lengths first."""
+    assert e2e.planned_rows(e2e.parse_args(["--tiny", "--rows", "none"])) == []
+    args = e2e.parse_args(["--tiny", "--lengths", "128,64", "--contexts", "64",
+                           "--batches", "8,1", "--modes", "exact"])
+    assert [(r["kind"], r.get("length", r.get("context")), r.get("batch"))
+            for r in e2e.planned_rows(args)] == [
+        ("prefill", 64, None), ("decode", 64, 1), ("decode", 64, 8), ("prefill", 128, None)]
+
+
+def _finite_positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_e2e_tiny(tmp_path, capsys):
+    """The whole command on the tiny config on CPU: one exact prefill row of 64 tokens and one
+    decode row (batch 1, 3 steps) whose fill reuses that prefill's compiled program; no peer,
+    no compile check. JSON, table and figure."""
+    out = tmp_path / "e2e.json"
+    assert e2e.main(["--tiny", "--modes", "exact", "--profile-steps", "1", "--no-peer",
+                     "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| prefill exact 64 |" in text and "| decode B=1, 64 |" in text
+    res = json.loads(out.read_text())
+    for key in ("config", "device", "jax_version", "roofline", "params_bytes", "rows", "peer",
+                "compile_check", "param_groups", "total_s"):
+        assert key in res, key
+    assert res["config_name"] == "tiny" and res["compile_check"] is None
+    assert _finite_positive(res["roofline"]["copy_GBps"])
+    assert _finite_positive(res["roofline"]["bf16_matmul_TFLOPs"])
+    pre, dec = res["rows"]
+    assert (pre["kind"], pre["mode"], pre["length"]) == ("prefill", "exact", 64)
+    for k in ("seconds", "tokens_per_s", "first_call_s", "flops", "floor_s", "x_floor"):
+        assert _finite_positive(pre[k]), (k, pre[k])
+    assert pre["compile_s"] >= 0 and pre["xla_compiles_timed"] == 0
+    assert pre["state_pos_after"] == 64 and pre["logits_finite"]
+    assert "device_s" in pre and "launches" in pre          # None on CPU
+    assert (dec["kind"], dec["batch"], dec["context"], dec["steps"]) == ("decode", 1, 64, 3)
+    for k in ("ms_per_step", "tokens_per_s", "first_step_s", "bytes", "floor_ms", "x_floor"):
+        assert _finite_positive(dec[k]), (k, dec[k])
+    assert dec["compile_s"] >= 0 and dec["xla_compiles_timed"] == 0
+    assert dec["fill_mode"] == "exact" and dec["logits_finite"]
+    assert dec["state_pos_after"] == 64 + 2 + 3 + 1          # warm-up, timed, traced steps
+    assert "device_ms_per_step" in dec and "launches_per_step" in dec
+    assert dec["loop"]["ms_per_step"] is None or _finite_positive(dec["loop"]["ms_per_step"])
+    assert dec["bytes"] == e2e.decode_bytes(e2e.bench_config.e2e_config("tiny")[0], 1, 64)
+    if res.get("figure"):
+        assert (tmp_path / "e2e.png").stat().st_size > 0
