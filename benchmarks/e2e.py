@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib
-import inspect
 import json
 import math
 import os
@@ -59,7 +57,7 @@ import numpy as np
 
 from benchmarks import config as bench_config
 from benchmarks.timing import memory_stats, roofline, trace_profile, write_json, xla_compiles
-from dsv41_jax import model, random_weights, state as st
+from dsv41_jax import compile_cache, generation, model, random_weights, state as st
 from dsv41_jax.cli.args import Parser, positive_int, positive_ints
 from dsv41_jax.config import LayerPlan, ModelConfig
 from pallas_kernels.impls import check_family
@@ -419,7 +417,7 @@ def prefill_row(params, cfg: ModelConfig, n: int, mode: str, args) -> dict:
     first_s, out, state = once(fresh())
     c1 = xla_compiles()
     pos = int(np.asarray(_pos(state))[0])
-    finite = bool(np.isfinite(np.asarray(out["logits"], np.float32)).all())
+    finite = bool(np.isfinite(np.asarray(out.logits, np.float32)).all())
     del out, state
     secs = _median_s(lambda: once(fresh())[0], args.prefill_reps)
     c2 = xla_compiles()
@@ -470,59 +468,35 @@ def fill_state(params, cfg: ModelConfig, context: int, batch: int, args):
                    "fill_s": time.perf_counter() - t0}
 
 
-def _generate_fn():
-    """``dsv41_jax.generation.generate`` if it exists, else None."""
-    try:
-        mod = importlib.import_module("dsv41_jax.generation")
-    except ImportError:
-        return None
-    return getattr(mod, "generate", None)
+def loop_record(params, cfg, state, logits, steps: int, args) -> dict:
+    """Time ``steps`` tokens per row through the on-device loop
+    (:func:`dsv41_jax.generation.generate`, greedy, no EOS: ``steps - 1`` model steps), each
+    call on its own copy of ``state`` (made before the clock starts): the first call, then the
+    steady one and a traced one. ``logits`` fp32 [B, V] are the last prefill logits."""
+    def copy():
+        c = jax.tree.map(jnp.copy, state)
+        jax.block_until_ready(c)
+        return c
 
+    def once(s):
+        t0 = time.perf_counter()
+        res = generation.generate(params, cfg, s, logits, max_new_tokens=steps,
+                                  attn_impl=args.attn_impl)
+        jax.block_until_ready(res.tokens)
+        return time.perf_counter() - t0
 
-_STEP_KEYWORDS = ("max_new_tokens", "n_steps", "steps", "num_steps", "n_tokens", "max_tokens")
-
-
-def loop_record(gen, params, cfg, state, tokens: np.ndarray, steps: int, args) -> dict:
-    """Time ``steps`` tokens per row through the on-device loop ``gen`` (the contract assumed:
-    ``generate(params, cfg, state, tokens int32 [B], <steps>)`` with the step count under one
-    of the keywords ``max_new_tokens``, ``n_steps``, ``steps``, ... or fifth positionally, and
-    ``attn_impl`` when it takes one), each call on its own copy of ``state`` (made before the
-    clock starts). First call, then the steady call and a traced one. Failures are recorded
-    as ``error``."""
-    try:
-        names = inspect.signature(gen).parameters
-        kw = {"attn_impl": args.attn_impl} if "attn_impl" in names else {}
-        step_kw = next((n for n in _STEP_KEYWORDS if n in names), None)
-        call_args = (params, cfg)
-        extra = () if step_kw else (steps,)
-        if step_kw:
-            kw[step_kw] = steps
-        toks = jnp.asarray(tokens, jnp.int32)
-
-        def copy():
-            c = jax.tree.map(jnp.copy, state)
-            jax.block_until_ready(c)
-            return c
-
-        def once(s):
-            t0 = time.perf_counter()
-            jax.block_until_ready(gen(*call_args, s, toks, *extra, **kw))
-            return time.perf_counter() - t0
-
-        first = once(copy())
-        steady = once(copy())
-        rec = {"available": True, "ms_per_step": 1e3 * steady / steps,
-               "tokens_per_s": tokens.shape[0] * steps / steady, "steps": steps,
-               "first_call_s": first, "compile_s": max(0.0, first - steady)}
-        if args.profile_steps:
-            s0 = copy()
-            prof = _profile(lambda: once(s0), steps)
-            rec.update(device_ms_per_step=None if prof["device_s"] is None
-                       else prof["device_s"] * 1e3, launches_per_step=prof["launches"])
-        return rec
-    except Exception as e:  # noqa: BLE001  (another engineer's API: record, go on)
-        return {"available": True, "ms_per_step": None,
-                "error": f"{type(e).__name__}: {e}"[:1000]}
+    first = once(copy())
+    steady = once(copy())
+    model_steps = max(steps - 1, 1)
+    rec = {"available": True, "ms_per_step": 1e3 * steady / model_steps,
+           "tokens_per_s": logits.shape[0] * steps / steady, "steps": steps,
+           "first_call_s": first, "compile_s": max(0.0, first - steady)}
+    if args.profile_steps:
+        s0 = copy()
+        prof = _profile(lambda: once(s0), model_steps)
+        rec.update(device_ms_per_step=None if prof["device_s"] is None
+                   else prof["device_s"] * 1e3, launches_per_step=prof["launches"])
+    return rec
 
 
 def decode_row(params, cfg: ModelConfig, context: int, batch: int, args) -> dict:
@@ -567,14 +541,10 @@ def decode_row(params, cfg: ModelConfig, context: int, batch: int, args) -> dict
                    copies_per_step=prof["copies"], kernels=prof["kernels"])
     rec["state_pos_after"] = int(np.asarray(_pos(box["state"]))[0])
     rec["logits_finite"] = bool(np.isfinite(np.asarray(box["logits"], np.float32)).all())
-    gen = None if args.no_generate else _generate_fn()
-    if gen is None:
-        rec["loop"] = {"available": False, "ms_per_step": None,
-                       "note": "skipped (--no-generate)" if args.no_generate else
-                       "dsv41_jax.generation.generate does not exist"}
+    if args.no_generate:
+        rec["loop"] = {"available": False, "ms_per_step": None, "note": "skipped (--no-generate)"}
     else:
-        rec["loop"] = loop_record(gen, params, cfg, box["state"], toks[box["i"]], args.steps,
-                                  args)
+        rec["loop"] = loop_record(params, cfg, box["state"], box["logits"], args.steps, args)
     del box
     return rec
 
@@ -704,20 +674,11 @@ def run_peer(args) -> dict:
 
 
 def enable_cache(path: str) -> str:
-    """JAX's persistent compilation cache in ``path``, every program cached: through
-    ``dsv41_jax.compile_cache.enable`` where it exists, else through ``jax.config``. Call it
-    before anything compiles. Returns which way it went."""
-    try:
-        mod = importlib.import_module("dsv41_jax.compile_cache")
-    except ImportError:
-        mod = None
-    if mod is not None and hasattr(mod, "enable"):
-        mod.enable(path)
-        return "dsv41_jax.compile_cache.enable"
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return "jax.config"
+    """JAX's persistent compilation cache in ``path``, every program cached
+    (:func:`dsv41_jax.compile_cache.enable`). Call it before anything compiles. Returns the
+    directory."""
+    compile_cache.enable(path)
+    return path
 
 
 def _compile_child(spec: dict) -> dict:

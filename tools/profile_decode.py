@@ -1,0 +1,129 @@
+"""Where one decode step goes: wall time, device time, kernel launches and the heaviest kernels.
+
+Builds an end-to-end benchmark config (``benchmarks.config.e2e_config``: ``mid``, ``tiny``,
+``release-fit``) with seeded random weights on the device, prepared once
+(``model.prepare_params``), sets the state to ``--contexts`` tokens of context (positions only:
+the entries stay zero, which costs the step the same reads), and times ``model.decode_step``:
+with a host sync after every step (``ms_synced``) and queued back to back (``ms_queued``). A
+``jax.profiler`` trace of three steps gives the device time, the kernel launches per step and
+the kernels grouped by name. The floor is the bytes a step must read
+(``benchmarks.e2e.decode_bytes``) over the copy bandwidth measured in the same process.
+
+    python tools/profile_decode.py --config mid --contexts 4096,32768 --out prof.json
+    XLA_FLAGS=... python tools/profile_decode.py ...     # compare XLA options
+
+``--tiny`` runs the tiny config with a small roofline (a CPU smoke test of the tooling; the
+trace then has no device streams).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+
+import dsv41_jax  # noqa: F401  (first: the XLA numerics flag)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.config import e2e_config
+from benchmarks.e2e import decode_bytes
+from benchmarks.timing import roofline, trace_events
+from dsv41_jax import model, state as st
+from dsv41_jax.cli.args import Parser, positive_int, positive_ints
+from dsv41_jax.random_weights import random_params_device
+
+
+def kernel_table(events: list[dict], steps: int) -> tuple[int, float, list]:
+    """``(launches per step, device ms per step, [(name, calls per step, ms per step)])`` of
+    the device-stream events of a trace of ``steps`` steps, names with their numeric suffixes
+    folded, heaviest first."""
+    dev = [e for e in events if "/device:" in e["process"] and e["thread"].startswith("Stream")]
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for e in dev:
+        name = re.sub(r"\d+", "#", re.sub(r"[._]\d+$", "", e["name"]))
+        per[name][0] += 1
+        per[name][1] += float(e.get("dur", 0.0))
+    rows = sorted(((k, n / steps, d / steps / 1e3) for k, (n, d) in per.items()),
+                  key=lambda r: -r[2])
+    return len(dev) / steps, sum(float(e.get("dur", 0.0)) for e in dev) / steps / 1e3, rows
+
+
+def profile_context(params, cfg, context: int, batch: int, steps: int, top: int) -> dict:
+    """Time ``steps`` decode steps of ``batch`` rows at ``context`` tokens of context."""
+    state = st.init_state(cfg, batch, context + 2 * steps + 8)
+    state = state.replace(pos=jnp.full((batch,), context, jnp.int32))
+    toks = np.random.RandomState(0).randint(0, cfg.vocab_size, (2 * steps + 8, batch))
+    t0 = time.perf_counter()
+    lg, state = model.decode_step(params, cfg, state, toks[0])
+    jax.block_until_ready(lg)
+    first = time.perf_counter() - t0
+    synced = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        lg, state = model.decode_step(params, cfg, state, toks[1 + i])
+        jax.block_until_ready(lg)
+        synced.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for i in range(steps // 2):
+        lg, state = model.decode_step(params, cfg, state, toks[1 + steps + i])
+    jax.block_until_ready(lg)
+    queued = (time.perf_counter() - t0) / (steps // 2)
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            for i in range(3):
+                lg, state = model.decode_step(params, cfg, state, toks[i])
+                jax.block_until_ready(lg)
+        launches, device_ms, kernels = kernel_table(trace_events(log_dir), 3)
+    return {"context": context, "batch": batch, "first_call_s": first,
+            "ms_synced": 1e3 * statistics.median(synced), "ms_queued": 1e3 * queued,
+            "device_ms": device_ms, "launches": launches,
+            "bytes": decode_bytes(cfg, batch, context), "kernels": kernels[:top]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = Parser(prog="profile_decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="mid", help="mid | release-fit | tiny (default mid)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny config, small roofline")
+    ap.add_argument("--contexts", type=positive_ints, default=[4096],
+                    help="tokens of context, comma-separated (default 4096)")
+    ap.add_argument("--batch", type=positive_int, default=1, help="rows (default 1)")
+    ap.add_argument("--steps", type=positive_int, default=20, help="timed steps (default 20)")
+    ap.add_argument("--top", type=positive_int, default=12, help="kernels printed (default 12)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    name = "tiny" if args.tiny else args.config
+    cfg, _ = e2e_config(name)
+    params = model.prepare_params(random_params_device(cfg, 0), cfg)
+    jax.block_until_ready(params)
+    roof = roofline(1, copy_bytes=1 << 20, matmul_n=256) if args.tiny else roofline(3)
+    res = {"device": str(jax.devices()[0].device_kind), "config": name,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "roofline": roof, "rows": []}
+    for ctx in args.contexts:
+        r = profile_context(params, cfg, ctx, args.batch, max(args.steps, 2), args.top)
+        r["floor_ms"] = 1e3 * r["bytes"] / (roof["copy_GBps"] * 1e9)
+        res["rows"].append(r)
+        print(f"context {ctx}, batch {args.batch}: {r['ms_queued']:.2f} ms per step queued "
+              f"({r['ms_synced']:.2f} synced), floor {r['floor_ms']:.2f} ms "
+              f"(x{r['ms_queued'] / r['floor_ms']:.1f}), device {r['device_ms']:.2f} ms in "
+              f"{r['launches']:.0f} launches; first call {r['first_call_s']:.1f} s", flush=True)
+        for k, n, ms in r["kernels"]:
+            print(f"    {ms:8.3f} ms  x{n:7.1f}  {k[:90]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
