@@ -1,0 +1,41 @@
+"""tools/profile_decode.py: the per-step kernel table read from trace events."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "tools", "profile_decode.py")
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("profile_decode", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _ev(name, dur, thread="Stream #13(Kernel)", process="/device:GPU:0"):
+    return {"name": name, "dur": dur, "thread": thread, "process": process}
+
+
+def test_kernel_table_per_step(tool):
+    events = [_ev("input_reduce_fusion.12", 10.0), _ev("input_reduce_fusion_3", 30.0),
+              _ev("gemm_fusion_dot.7", 100.0), _ev("memcpy", 20.0),
+              _ev("host op", 500.0, thread="python", process="/host:CPU"),
+              _ev("summary", 999.0, thread="XLA Ops")]
+    launches, device_ms, rows = tool.kernel_table(events, steps=2)
+    assert launches == 2.0                       # 4 device-stream events over 2 steps
+    assert device_ms == pytest.approx(0.08)      # 160 us / 2 steps
+    assert rows[0] == ("gemm_fusion_dot", 0.5, pytest.approx(0.05))
+    assert rows[1] == ("input_reduce_fusion", 1.0, pytest.approx(0.02))
+    assert [r[0] for r in rows] == ["gemm_fusion_dot", "input_reduce_fusion", "memcpy"]
+
+
+def test_bad_arguments_exit_2(tool):
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--contexts", "0"])
+    assert e.value.code == 2
