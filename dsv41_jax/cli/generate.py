@@ -51,25 +51,25 @@ def random_weight_bytes(cfg: ModelConfig) -> int:
                for shape, dts in checkpoint.expected_tensors(cfg).values())
 
 
-def state_report(cfg: ModelConfig, state: dict) -> list[str]:
+def state_report(cfg: ModelConfig, state: st.InferenceState) -> list[str]:
     """Human-readable sizes of the inference state (entries and bytes per source)."""
-    pos = np.asarray(state["pos"])
+    pos = np.asarray(state.pos)
     lines = [f"tokens in state: {pos.tolist()}"]
     total = 0
-    for name, src in state["kv"].items():
-        r = cfg.compress_ratios[int(name[1:])]
+    for layer, src in state.sources.items():
+        r = cfg.compress_ratios[layer]
         n = pos // r
-        per = sum(src[k].shape[-1] * src[k].dtype.itemsize
-                  for k in ("main", "main_scale", "index", "index_scale"))
+        per = sum(a.shape[-1] * a.dtype.itemsize
+                  for a in (src.main, src.main_scale, src.index, src.index_scale))
         used = int(n.max()) * per
         total += used
         tail = ""
-        if "tail_kv" in src:
+        if src.tail is not None:
             tail = f", compressor tail {'pending' if (pos % 2).any() else 'empty'} " \
-                   f"({(src['tail_kv'].nbytes + src['tail_score'].nbytes) // pos.size} B/row)"
-        lines.append(f"global KV source layer {name[1:]} (ratio {r}): {n.tolist()} entries x "
-                     f"{per} B = {used} B (main KV {src['main'].shape[-1] + src['main_scale'].shape[-1]}"
-                     f" B + indexer K {src['index'].shape[-1] + src['index_scale'].shape[-1]} B "
+                   f"({(src.tail.kv.nbytes + src.tail.score.nbytes) // pos.size} B/row)"
+        lines.append(f"global KV source layer {layer} (ratio {r}): {n.tolist()} entries x "
+                     f"{per} B = {used} B (main KV {src.main.shape[-1] + src.main_scale.shape[-1]}"
+                     f" B + indexer K {src.index.shape[-1] + src.index_scale.shape[-1]} B "
                      f"per entry){tail}")
     toks = max(int(pos.max()), 1)
     release = ""
@@ -79,12 +79,13 @@ def state_report(cfg: ModelConfig, state: dict) -> list[str]:
     lines.append(f"global KV: {total} B for {toks} tokens = {total / toks:.1f} B/token "
                  f"(capacity layout: {st.global_kv_bytes_per_token(cfg, 4096):.1f} B/token"
                  f"{release})")
-    ring = sum(r["kv"].nbytes + r["scale"].nbytes for r in state["window"].values()) // pos.size
-    lines.append(f"window rings: {len(state['window'])} layers x {cfg.window_size} slots, "
+    ring = sum(r.kv.nbytes + r.scale.nbytes for r in state.windows) // pos.size
+    lines.append(f"window rings: {len(state.windows)} layers x {cfg.window_size} slots, "
                  f"{ring} B per row (FP8 e4m3 + E8M0 per 32)")
-    if "enc_ring" in state:
-        e = state["enc_ring"]
-        lines.append(f"encoder output ring (bounded replay): {(e['x'].nbytes + e['pre_mix'].nbytes) // pos.size} B per row")
+    if state.enc_ring is not None:
+        e = state.enc_ring
+        lines.append(f"encoder output ring (bounded replay): "
+                     f"{(e.x.nbytes + e.pre_mix.nbytes) // pos.size} B per row")
     return lines
 
 
@@ -214,7 +215,7 @@ def decode_line(steps: int, seconds: float) -> str:
 def _warm_decode(params, cfg, capacity):
     """Compile decode_step on a throwaway state (run beside the prefill)."""
     s = st.init_state(cfg, 1, capacity)
-    s = dict(s, pos=jnp.ones((1,), jnp.int32))
+    s = s.replace(pos=jnp.ones((1,), jnp.int32))
     logits, _ = model.decode_step(params, cfg, s, np.zeros((1,), np.int64))
     logits.block_until_ready()
 
@@ -232,6 +233,8 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, ids: list[int]) ->
                                                 cfg)
         source = (f"SEEDED RANDOM WEIGHTS (seed {args.seed}, config {os.path.basename(args.config)})"
                   ": the text is noise; pass --checkpoint DIR for real weights")
+    # once, not per call (stacked layer groups, FP8 linears dequantised)
+    params = model.prepare_params(params, cfg)
     n = len(ids)
     capacity = n + args.max_new_tokens + 1
     chunk = min(args.chunk, n)
@@ -256,7 +259,7 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, ids: list[int]) ->
                 bar.update(len(piece))
         key = jax.random.key(args.seed)
         key, sub = jax.random.split(key)
-        nxt = dsv41_jax.sample(out["logits"], args.temperature, sub)
+        nxt = dsv41_jax.sample(out.logits, args.temperature, sub)
         nxt.block_until_ready()
         ttft = time.perf_counter() - t0
         if warm is not None:
