@@ -48,8 +48,8 @@ def compare(params, cfg, tokens, n_decode: int = 8) -> list[dict]:
     for mode in ("exact", "ced"):
         s = st.init_state(cfg, 1, cap)
         out, s = model.prefill(params, cfg, tokens, s, mode=mode)
-        seq = [np.asarray(out["logits"])]
-        forced = np.asarray(out["logits"]).argmax(-1) if mode == "exact" else None
+        seq = [np.asarray(out.logits)]
+        forced = np.asarray(out.logits).argmax(-1) if mode == "exact" else None
         for i in range(n_decode):
             tok = logs["forced"][i] if mode == "ced" else forced
             if mode == "exact":
@@ -97,6 +97,7 @@ def main(argv=None) -> int:
             params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, 0), cfg)
     except (OSError, ValueError) as e:
         ap.error(" ".join(str(e).split()))
+    params = model.prepare_params(params, cfg)   # once, not per prefill / decode call
     rng = np.random.default_rng(0)
     rows = []
     print(f"window = {cfg.window_size}")

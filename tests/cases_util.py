@@ -62,8 +62,8 @@ def prefill(params, cfg, rows, state=None, fill=None):
 
     Runs with ``batch_invariant=True`` (rows one at a time inside the compiled function), the
     mode that guarantees bitwise batch-size invariance (B01 packed, B24); a batch of one is
-    the same computation either way. Returns ``(out numpy tree, state)``; ``state`` (if given)
-    is donated.
+    the same computation either way. Returns ``(out, state)``: the :class:`StepOutput` with
+    numpy leaves and the new state; ``state`` (if given) is donated.
     """
     if state is None:
         state = dsv.init_state(cfg, len(rows), CAP)
@@ -183,8 +183,9 @@ def make_chunk(cfg, offset, S: int, n: int | None = None, decode: bool = False, 
     lo = off if win_lo is None else jnp.asarray(win_lo, jnp.int32).reshape(1)
     pos = off[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
     valid = jnp.arange(S)[None, :] < n
-    return model._make_chunk(cfg, pos, valid, off, jnp.full((1,), n, jnp.int32), lo, decode,
-                             False)
+    return model.make_chunk(cfg, positions=pos, valid=valid, p0=off,
+                            n=jnp.full((1,), n, jnp.int32), win_lo=lo, decode=decode,
+                            compat=False)
 
 
 def poison_bytes(rng, a, e8m0: bool = False):

@@ -65,7 +65,7 @@ def oracle(M, A):
     """Exact prefill of the 32 tokens of ``A`` with no padding: logits, records, state."""
     cfg, params, _ = M
     out, state = cu.prefill(params, cfg, [A])
-    return {"out": out, "rec": out["records"], "logits": out["all_logits"][0],
+    return {"out": out, "rec": out.records, "logits": out.all_logits[0],
             "state": cu.to_np(state)}
 
 
@@ -81,23 +81,24 @@ def prefix(M, A):
     return run
 
 
-def _written_rows(src: dict, key: str) -> np.ndarray:
+def _written_rows(src: st.KVSource, key: str) -> np.ndarray:
     """bool [T]: entry rows of a (row of a) KV source holding any non-zero byte."""
     scale = "main_scale" if key == "main" else "index_scale"
-    return (bits(src[key]) != 0).any(-1) | (bits(src[scale]) != 0).any(-1)
+    return (bits(getattr(src, key)) != 0).any(-1) | (bits(getattr(src, scale)) != 0).any(-1)
 
 
 def _check_entry_counts(cfg, state_row, L):
-    for name, src in state_row["kv"].items():
-        r = cfg.compress_ratios[int(name[1:])]
+    for layer, src in state_row.sources.items():
+        name = f"L{layer}"
+        r = cfg.compress_ratios[layer]
         n = L // r
         for key in ("main", "index"):
             w = _written_rows(src, key)
             assert w[:n].all(), f"{name}.{key}: an emitted entry of the first {n} is empty (L={L})"
             assert not w[n:].any(), (f"{name}.{key}: entries beyond floor(L/{r})={n} were written "
                                      f"(L={L}): rows {np.nonzero(w[n:])[0] + n}")
-        lat = np.asarray(st.dequant_main_kv(jnp.asarray(src["main"][:n]),
-                                            jnp.asarray(src["main_scale"][:n])), np.float32)
+        lat = np.asarray(st.dequant_main_kv(jnp.asarray(src.main[:n]),
+                                            jnp.asarray(src.main_scale[:n])), np.float32)
         assert np.isfinite(lat).all() and (np.abs(lat).sum(-1) > 0).all()
 
 
@@ -131,29 +132,30 @@ def test_b01_compressor_valid_length(M, A, oracle, prefix):
         s0 = cu.row(s, 0)
         _check_entry_counts(cfg, s0, L)
         # entries equal the one-shot oracle's (causal), bit for bit
-        for name in ("L2", "L4", "L6"):
-            r = cfg.compress_ratios[int(name[1:])]
+        for layer in (2, 4, 6):
+            r = cfg.compress_ratios[layer]
             for key in ("main", "main_scale", "index", "index_scale"):
-                got = s0["kv"][name][key][:L // r]
-                ref = oracle["state"]["kv"][name][key][0, :L // r]
-                assert_trees_bitwise_equal(got, ref, f"{name}.{key} L={L}: entries and oracle")
-        for layer, name in ((2, "L2"), (4, "L4")):
+                got = getattr(s0.sources[layer], key)[:L // r]
+                ref = getattr(oracle["state"].sources[layer], key)[0, :L // r]
+                assert_trees_bitwise_equal(got, ref, f"L{layer}.{key} L={L}: entries and oracle")
+        for layer in (2, 4):
+            tail = s0.sources[layer].tail
             comp = params["layers"][layer]["attn"]["compressor"]
             x = np.asarray(cu.layer_input(params, cfg, rec, layer)[0], np.float32)   # [32, D]
             # tail: kv / score of the unfinished token in fp32, or untouched (-inf score)
             if L % 2:
                 xl = x[L - 1].astype(np.float64)
-                for key, w in (("tail_kv", "wkv"), ("tail_score", "wgate")):
+                for got, w in ((tail.kv, "wkv"), (tail.score, "wgate")):
                     want = xl @ np.asarray(comp[w]["weight"], np.float64).T
-                    np.testing.assert_allclose(s0["kv"][name][key], want, rtol=1e-5, atol=1e-5)
+                    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
             else:
-                assert np.isneginf(s0["kv"][name]["tail_score"]).all(), "fresh even-length tail"
+                assert np.isneginf(tail.score).all(), "fresh even-length tail"
             # the latents themselves (pre-RoPE) against the fp64 pool formula
             lat, ids, valid, _ = compressor.compress(
                 jnp.asarray(x[None], BF16), comp, 2, jnp.zeros((1,), jnp.int32),
                 jnp.full((1,), L, jnp.int32),
-                {"tail_kv": jnp.zeros((1, cfg.head_dim), F32),
-                 "tail_score": jnp.full((1, cfg.head_dim), -jnp.inf, F32)}, cfg.norm_eps)
+                st.CompressorTail(kv=jnp.zeros((1, cfg.head_dim), F32),
+                                  score=jnp.full((1, cfg.head_dim), -jnp.inf, F32)), cfg.norm_eps)
             valid = np.asarray(valid[0])
             assert valid.sum() == L // 2 and list(np.asarray(ids[0])[valid]) == list(range(L // 2))
             if L >= 2:
@@ -163,9 +165,9 @@ def test_b01_compressor_valid_length(M, A, oracle, prefix):
                                       cfg.norm_eps)
                 got = np.asarray(lat[0][valid], np.float64)
                 np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
-        np.testing.assert_allclose(out["logits"][0], oracle["logits"][L - 1], atol=LOGIT_TOL,
+        np.testing.assert_allclose(out.logits[0], oracle["logits"][L - 1], atol=LOGIT_TOL,
                                    rtol=0)
-        np.testing.assert_allclose(out["all_logits"][0, :L], oracle["logits"][:L], atol=LOGIT_TOL,
+        np.testing.assert_allclose(out.all_logits[0, :L], oracle["logits"][:L], atol=LOGIT_TOL,
                                    rtol=0)
 
 
@@ -184,12 +186,12 @@ def test_b01_packed_batch(M, A):
     for b, sq in enumerate(seqs):
         o1, s1 = cu.prefill(params, cfg, [sq])
         _check_entry_counts(cfg, cu.row(sb, b), len(sq))
-        diff = bitwise_diffs(cu.row(sb["kv"], b), cu.row(cu.to_np(s1)["kv"], 0))
+        diff = bitwise_diffs(cu.row(sb.sources, b), cu.row(cu.to_np(s1).sources, 0))
         if diff:
             bad.append(f"row {b} (len {len(sq)}): latents differ from its own run in {diff}")
         for i in INDEX_LAYERS:
-            if not np.array_equal(outb["records"][i]["index_topk"][b, :len(sq)],
-                                  o1["records"][i]["index_topk"][0, :len(sq)]):
+            if not np.array_equal(outb.records[i]["index_topk"][b, :len(sq)],
+                                  o1.records[i]["index_topk"][0, :len(sq)]):
                 bad.append(f"row {b}: top-k rows of layer {i} differ")
     assert not bad, "\n".join(bad)
 
@@ -212,19 +214,20 @@ def test_b03_chunked_prefill_equals_one_shot(M, A, oracle, prefix):
         while p < L:
             q = min(p + c, L)
             out, state = cu.prefill(params, cfg, [A[p:q]], state)
-            np.testing.assert_allclose(out["all_logits"][0, :q - p], oracle["logits"][p:q],
+            np.testing.assert_allclose(out.all_logits[0, :q - p], oracle["logits"][p:q],
                                        atol=LOGIT_TOL, rtol=0, err_msg=f"chunk {c} at {p}")
             for i in INDEX_LAYERS:
-                assert np.array_equal(out["records"][i]["index_topk"][0, :q - p],
+                assert np.array_equal(out.records[i]["index_topk"][0, :q - p],
                                       oracle["rec"][i]["index_topk"][0, p:q]), (c, p, i)
             if q % 2 == 1:   # a pending token: the tail equals the one-shot tail of A[:q]
                 s_now = cu.to_np(state)
                 _, ref = prefix(q)
-                for name in ("L2", "L4"):
-                    for key in ("tail_kv", "tail_score"):
+                for layer in (2, 4):
+                    for key in ("kv", "score"):
                         assert_trees_bitwise_equal(
-                            s_now["kv"][name][key], ref["kv"][name][key],
-                            f"chunks of {c}, q={q}: {name}.{key} and the one-shot tail")
+                            getattr(s_now.sources[layer].tail, key),
+                            getattr(ref.sources[layer].tail, key),
+                            f"chunks of {c}, q={q}: L{layer}.tail.{key} and the one-shot tail")
                 state = cu.to_dev(s_now)
             p = q
         assert_trees_bitwise_equal(cu.to_np(state), one,
@@ -258,21 +261,21 @@ def test_b04_selection_visibility(M, A, oracle, prefix):
         out, state = cu.prefill(params, cfg, [A[3 * k:3 * k + 3]], state)
         for i in INDEX_LAYERS:
             for key in ("index_topk", "index_score") + (("candidates",) if i == 6 else ()):
-                got = out["records"][i][key][0, :3]
-                ref = out9["records"][i][key][0, 3 * k:3 * k + 3]
+                got = out.records[i][key][0, :3]
+                ref = out9.records[i][key][0, 3 * k:3 * k + 3]
                 assert_trees_bitwise_equal(got, ref, f"chunk {k} L{i} {key} and one shot")
     # 5-token chunk at p = 9 == one-shot rows 9..13
     out5, _ = cu.prefill(params, cfg, [A[9:14]], cu.to_dev(prefix(9)[1]))
     for i in INDEX_LAYERS:
         for key in ("index_topk",) + (("candidates",) if i == 6 else ()):
-            assert np.array_equal(out5["records"][i][key][0, :5], rec[i][key][0, 9:14]), (i, key)
-    np.testing.assert_allclose(out5["all_logits"][0, :5], oracle["logits"][9:14], atol=LOGIT_TOL,
+            assert np.array_equal(out5.records[i][key][0, :5], rec[i][key][0, 9:14]), (i, key)
+    np.testing.assert_allclose(out5.all_logits[0, :5], oracle["logits"][9:14], atol=LOGIT_TOL,
                                rtol=0)
     # decode steps
     state = cu.to_dev(prefix(9)[1])
     for p in range(9, 24):
         out, state = cu.decode(params, cfg, state, [A[p]])
-        R = out["records"]
+        R = out.records
         cand = R[6]["candidates"][0, 0]
         for i in INDEX_LAYERS:
             r = cfg.compress_ratios[i]
@@ -284,7 +287,7 @@ def test_b04_selection_visibility(M, A, oracle, prefix):
             if i in (8, 10):
                 assert cand[row[row >= 0]].all(), f"decode p{p} L{i}: outside the candidates"
         if p == 9:
-            np.testing.assert_allclose(out["logits"][0], oracle["logits"][9], atol=1e-3, rtol=0)
+            np.testing.assert_allclose(out.logits[0], oracle["logits"][9], atol=1e-3, rtol=0)
             for i in INDEX_LAYERS:
                 assert np.array_equal(R[i]["index_topk"][0, 0], rec[i]["index_topk"][0, 9]), i
 
@@ -311,32 +314,32 @@ def test_b05_ring_not_full(M, A, oracle, prefix):
         out, s = prefix(L)
         s0 = cu.row(s, 0)
         _check_entry_counts(cfg, s0, L)
-        np.testing.assert_allclose(out["logits"][0], oracle["logits"][L - 1], atol=LOGIT_TOL,
+        np.testing.assert_allclose(out.logits[0], oracle["logits"][L - 1], atol=LOGIT_TOL,
                                    rtol=0)
-        ring = s0["window"]["L0"]
+        ring = s0.windows[0]
         for slot in range(W):
             ps = [q for q in range(L) if q % W == slot]
             if ps:
                 q = ps[-1]
-                assert_trees_bitwise_equal((ring["kv"][slot], ring["scale"][slot]),
+                assert_trees_bitwise_equal((ring.kv[slot], ring.scale[slot]),
                                            (codes[q], scale[q]), f"L={L} slot {slot} q={q}")
-        for name, rg in s0["window"].items():
+        for layer, rg in enumerate(s0.windows):
             never = [slot for slot in range(W) if slot >= L]
-            assert not bits(rg["kv"][never]).any() and not bits(rg["scale"][never]).any(), name
+            assert not bits(rg.kv[never]).any() and not bits(rg.scale[never]).any(), f"L{layer}"
         # next decode step, clean vs garbage in the never-written ring slots
         clean, st_c = cu.decode(params, cfg, cu.to_dev(s), [A[L]])
         if L < W:
             bad = cu.to_np(s)
-            for rg in bad["window"].values():
-                rg["kv"][:, L:] = cu.poison_bytes(rng, rg["kv"][:, L:])
-                rg["scale"][:, L:] = cu.poison_bytes(rng, rg["scale"][:, L:], e8m0=True)
+            for rg in bad.windows:
+                rg.kv[:, L:] = cu.poison_bytes(rng, rg.kv[:, L:])
+                rg.scale[:, L:] = cu.poison_bytes(rng, rg.scale[:, L:], e8m0=True)
             dirty, _ = cu.decode(params, cfg, cu.to_dev(bad), [A[L]])
             assert_trees_bitwise_equal(
-                dirty["logits"], clean["logits"],
+                dirty.logits, clean.logits,
                 f"L={L}: decode logits with garbage in never-written ring slots and without")
         # the decoded token's own KV is in slot L % W (layer 0: recomputed)
-        ring = cu.to_np(st_c)["window"]["L0"]
-        assert_trees_bitwise_equal(ring["kv"][0, L % W], codes[L], f"self slot, L={L}")
+        ring = cu.to_np(st_c).windows[0]
+        assert_trees_bitwise_equal(ring.kv[0, L % W], codes[L], f"self slot, L={L}")
     # window index lists (indices into [ring (W slots); chunk rows])
     for p in (0, 3, 7, 8, 13):
         idx, ok = attn_mod.window_list(cu.make_chunk(cfg, p, 1, decode=True, win_lo=0), W)
@@ -416,23 +419,24 @@ def test_b06_topk_padding_and_garbage(M, A, prefix):
     for L in (8, 9, 13):
         _, s = prefix(L)
         bad = cu.to_np(s)
-        for name, src in bad["kv"].items():
-            n = L // cfg.compress_ratios[int(name[1:])]
+        for layer, src in bad.sources.items():
+            n = L // cfg.compress_ratios[layer]
             for key in ("main", "main_scale", "index", "index_scale"):
-                src[key][:, n:] = cu.poison_bytes(rng, src[key][:, n:], e8m0=key == "index_scale")
-            if L % 2 == 0 and "tail_kv" in src:      # tail not valid at even pos
-                src["tail_kv"][:] = cu.poison_bytes(rng, src["tail_kv"])
-                src["tail_score"][:] = cu.poison_bytes(rng, src["tail_score"])
+                a = getattr(src, key)
+                a[:, n:] = cu.poison_bytes(rng, a[:, n:], e8m0=key == "index_scale")
+            if L % 2 == 0 and src.tail is not None:      # tail not valid at even pos
+                src.tail.kv[:] = cu.poison_bytes(rng, src.tail.kv)
+                src.tail.score[:] = cu.poison_bytes(rng, src.tail.score)
         sc, sd = cu.to_dev(s), cu.to_dev(bad)
         for p in (L, L + 1):
             oc, sc = cu.decode(params, cfg, sc, [A[p]])
             od, sd = cu.decode(params, cfg, sd, [A[p]])
             assert_trees_bitwise_equal(
-                od["logits"], oc["logits"],
+                od.logits, oc.logits,
                 f"decode at p={p} (L={L}) with garbage in unwritten entries / stale tail and "
                 f"without")
             for i in INDEX_LAYERS:
-                row = oc["records"][i]["index_topk"][0, 0]
+                row = oc.records[i]["index_topk"][0, 0]
                 assert (row < (p + 1) // cfg.compress_ratios[i]).all()
 
 
@@ -542,14 +546,15 @@ def test_b08_candidate_pool(M, oracle):
     S = cu.BUCKET
     ch = cu.make_chunk(cfg, 0, S)
     state = cu.to_dev(oracle["state"])
-    state["window"] = jax.tree.map(jnp.zeros_like, state["window"])   # unused at p0 = 0
 
     @functools.partial(jax.jit, static_argnums=0)
     def reuse(layer, x, topk):
-        bus = {"topk": topk, "candidates": None}
+        bus = attn_mod.Bus(topk=topk)
+        ls = st.LayerState(window=jax.tree.map(jnp.zeros_like, state.windows[layer]),
+                           source=state.sources[plan[layer].kv_layer])   # window unused at p0 = 0
         out, _, bus2 = attn_mod.attention(params["layers"][layer]["attn"], x, plan[layer], cfg, ch,
-                                          state, bus)
-        return out, bus2["topk"]
+                                          ls, bus)
+        return out, bus2.topk
 
     for layer, src in ((7, 6), (9, 8)):
         x = cu.layer_input(params, cfg, rec, layer)
@@ -633,8 +638,8 @@ def test_b09_rope_policy(M, A, oracle, attn_runner):
     for layer, kind, other in ((0, "base", "compress"), (2, "compress", "base")):
         x = (cu.layer0_input(params, cfg, A[None]) if layer == 0
              else cu.layer_input(params, cfg, oracle["rec"], layer))
-        ring = oracle["state"]["window"][f"L{layer}"]
-        got = np.asarray(ring["kv"][0])[np.arange(24, 32) % cfg.window_size]
+        ring = oracle["state"].windows[layer]
+        got = np.asarray(ring.kv[0])[np.arange(24, 32) % cfg.window_size]
         right, _ = cu.window_kv_codes(params, cfg, layer, x, jnp.arange(32)[None], kind)
         wrong, _ = cu.window_kv_codes(params, cfg, layer, x, jnp.arange(32)[None], other)
         assert_trees_bitwise_equal(got, right[0, 24:], f"layer {layer} rotated with {kind}")
@@ -646,9 +651,9 @@ def test_b09_rope_policy(M, A, oracle, attn_runner):
     state = dsv.init_state(cfg, 1, cu.CAP)
     for k in range(3):
         out, state = cu.prefill(cfg=cfg, params=params, rows=[A[8 * k:8 * k + 8]], state=state)
-        np.testing.assert_allclose(out["all_logits"][0, :8], oracle["logits"][8 * k:8 * k + 8],
+        np.testing.assert_allclose(out.all_logits[0, :8], oracle["logits"][8 * k:8 * k + 8],
                                    atol=LOGIT_TOL, rtol=0)
-    np.testing.assert_allclose(out["logits"][0], oracle["logits"][23], atol=LOGIT_TOL, rtol=0)
+    np.testing.assert_allclose(out.logits[0], oracle["logits"][23], atol=LOGIT_TOL, rtol=0)
 
 
 # ----------------------------------------------------------------------------- B10
@@ -669,19 +674,20 @@ def test_b10_compressed_entry_rope(M, A, oracle):
         r = cfg.compress_ratios[layer]
         a = params["layers"][layer]["attn"]
         x = cu.layer_input(params, cfg, rec, layer)
-        tail = ({"tail_kv": jnp.zeros((1, cfg.head_dim), F32),
-                 "tail_score": jnp.full((1, cfg.head_dim), -jnp.inf, F32)} if r == 2 else None)
+        tail = (st.CompressorTail(kv=jnp.zeros((1, cfg.head_dim), F32),
+                                  score=jnp.full((1, cfg.head_dim), -jnp.inf, F32))
+                if r == 2 else None)
         lat, ids, valid, _ = compressor.compress(x, a["compressor"], r, jnp.zeros((1,), jnp.int32),
                                                  jnp.full((1,), S, jnp.int32), tail, cfg.norm_eps)
         n = S // r
         lat, ids = lat[:, :n], ids[:, :n]
-        src = oracle["state"]["kv"][f"L{layer}"]
+        src = oracle["state"].sources[layer]
 
         def main_codes(position):
             cos, sin = rope_angles(position, fc)
             c, s_ = quant.fp4_quantize(apply_rope(lat, cos, sin), 16, "e4m3")
             return bits(quant.pack_nibbles(c)[0]), bits(s_[0])
-        got = (bits(src["main"][0, :n]), bits(src["main_scale"][0, :n]))
+        got = (bits(src.main[0, :n]), bits(src.main_scale[0, :n]))
         right = main_codes(ids * r)
         assert_trees_bitwise_equal(got, right, f"L{layer}: main KV entries")
         wrong = main_codes(ids * (3 - r))   # ratio 2: position k; ratio 1: position 2k
@@ -693,7 +699,7 @@ def test_b10_compressed_entry_rope(M, A, oracle):
                          cfg.norm_eps)
             c, s_ = quant.fp4_quantize(apply_rope(k, cos, sin), 32, "e8m0")
             return bits(quant.pack_nibbles(c)[0]), bits(s_[0])
-        got = (bits(src["index"][0, :n]), bits(src["index_scale"][0, :n]))
+        got = (bits(src.index[0, :n]), bits(src.index_scale[0, :n]))
         right = index_codes(lat, ids * r)
         assert_trees_bitwise_equal(got, right, f"L{layer}: indexer K entries")
         cos, sin = rope_angles(ids * r, fc)
@@ -703,8 +709,8 @@ def test_b10_compressed_entry_rope(M, A, oracle):
     # even shift: same groups, same latents; odd shift: other groups
     a = params["layers"][2]["attn"]
     x = cu.layer_input(params, cfg, rec, 2)[:, :12]
-    fresh = {"tail_kv": jnp.zeros((1, cfg.head_dim), F32),
-             "tail_score": jnp.full((1, cfg.head_dim), -jnp.inf, F32)}
+    fresh = st.CompressorTail(kv=jnp.zeros((1, cfg.head_dim), F32),
+                              score=jnp.full((1, cfg.head_dim), -jnp.inf, F32))
 
     def comp(p0):
         return compressor.compress(x, a["compressor"], 2, jnp.full((1,), p0, jnp.int32),
@@ -771,13 +777,14 @@ def attn_runner(M, oracle, A):
             ch = cu.make_chunk(cfg, offset, S)
             state = dsv.init_state(cfg, 1, cu.CAP)
             out0, _, _ = attn_mod.attention(params["layers"][0]["attn"], xs[0], plan[0], cfg, ch,
-                                            state, {"topk": None, "candidates": None})
+                                            st.LayerState(window=state.windows[0]),
+                                            attn_mod.Bus(topk=None))
             src = attn_mod.kv_source_update(params["layers"][2]["attn"], xs[2], plan[2], cfg, ch,
-                                            state["kv"]["L2"])
-            state = dict(state, kv=dict(state["kv"], L2=src))
+                                            state.sources[2])
             tk = jnp.where(topk0 >= 0, topk0 + offset // 2, -1)
             out3, _, _ = attn_mod.attention(params["layers"][3]["attn"], xs[3], plan[3], cfg, ch,
-                                            state, {"topk": tk, "candidates": None})
+                                            st.LayerState(window=state.windows[3], source=src),
+                                            attn_mod.Bus(topk=tk))
         finally:
             attn_mod.apply_rope, attn_mod.sparse_attention_reference = orig_rope, orig_sa
         return [out0, out3], sa, [c[0] for c in inv], [c[1] for c in inv]
@@ -1096,29 +1103,30 @@ def test_b24_batch_invariance_selections(M, oracle, b24):
     candidate sets; B's odd final token stays in the tail (5 entries, entry 5 empty)."""
     cfg, _, _ = M
     seqs, alone = b24["seqs"], b24["alone"]
-    np.testing.assert_allclose(alone["A"][0]["all_logits"][0, :12], oracle["logits"][:12],
+    np.testing.assert_allclose(alone["A"][0].all_logits[0, :12], oracle["logits"][:12],
                                atol=LOGIT_TOL, rtol=0)
-    for name, src in alone["A"][1]["kv"].items():
-        n = 12 // cfg.compress_ratios[int(name[1:])]
+    for layer, src in alone["A"][1].sources.items():
+        n = 12 // cfg.compress_ratios[layer]
         for key in ("main", "main_scale", "index", "index_scale"):
-            assert_trees_bitwise_equal(src[key][0, :n], oracle["state"]["kv"][name][key][0, :n],
-                                       f"{name}.{key} of A alone and the oracle")
+            assert_trees_bitwise_equal(getattr(src, key)[0, :n],
+                                       getattr(oracle["state"].sources[layer], key)[0, :n],
+                                       f"L{layer}.{key} of A alone and the oracle")
     sB = cu.row(alone["B"][1], 0)
     _check_entry_counts(cfg, sB, 11)
-    assert np.isfinite(sB["kv"]["L2"]["tail_score"]).all()
+    assert np.isfinite(sB.sources[2].tail.score).all()
     bad = []
     for (out, s), order in zip(b24["runs"], B24_ORDERS):
         for b, k in enumerate(order):
             o1, s1 = alone[k]
             n = len(seqs[k])
             _check_entry_counts(cfg, cu.row(s, b), n)
-            diff = bitwise_diffs(cu.row(s["kv"], b), cu.row(s1["kv"], 0))
+            diff = bitwise_diffs(cu.row(s.sources, b), cu.row(s1.sources, 0))
             if diff:
                 bad.append(f"{k} in row {b} of {order}: global KV differs from alone in {diff}")
             for i in INDEX_LAYERS:
                 for key in ("index_topk",) + (("candidates",) if i == 6 else ()):
-                    if not np.array_equal(out["records"][i][key][b, :n],
-                                          o1["records"][i][key][0, :n]):
+                    if not np.array_equal(out.records[i][key][b, :n],
+                                          o1.records[i][key][0, :n]):
                         bad.append(f"{k} in row {b} of {order}: layer {i} {key} differ")
     assert not bad, "\n".join(bad)
 
@@ -1135,7 +1143,7 @@ def test_b24_batch_invariance_values(M, b24):
         for b, k in enumerate(order):
             o1, s1 = alone[k]
             n = len(seqs[k])
-            d = float(np.abs(out["all_logits"][b, :n] - o1["all_logits"][0, :n]).max())
+            d = float(np.abs(out.all_logits[b, :n] - o1.all_logits[0, :n]).max())
             diff = bitwise_diffs(cu.row(s, b), cu.row(s1, 0))
             if d > 1e-3 or diff:
                 worst.append(f"{k} in row {b} of {order}: max |logit diff| {d:.3g}, state "
@@ -1144,12 +1152,12 @@ def test_b24_batch_invariance_values(M, b24):
     # greedy continuation of A: alone vs inside the first batch composition
     out_a, s_a = alone["A"][0], cu.to_dev(alone["A"][1])
     out_b, s_b = b24["runs"][0][0], cu.to_dev(b24["runs"][0][1])
-    toks_a = [int(np.argmax(out_a["logits"][0]))]
-    toks_b = [int(np.argmax(out_b["logits"][0]))]
+    toks_a = [int(np.argmax(out_a.logits[0]))]
+    toks_b = [int(np.argmax(out_b.logits[0]))]
     for _ in range(4):
         oa, s_a = cu.prefill(params, cfg, [np.array([toks_a[-1]])], s_a)
         rows = [np.array([toks_b[-1]])] + [rng.integers(0, 512, size=1) for _ in range(7)]
         ob, s_b = cu.prefill(params, cfg, rows, s_b)
-        toks_a.append(int(np.argmax(oa["logits"][0])))
-        toks_b.append(int(np.argmax(ob["logits"][0])))
+        toks_a.append(int(np.argmax(oa.logits[0])))
+        toks_b.append(int(np.argmax(ob.logits[0])))
     assert toks_a == toks_b, (toks_a, toks_b)

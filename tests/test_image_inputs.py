@@ -61,8 +61,8 @@ def test_prefill_accepts_good_image_inputs(small):
     exactly where the mask is set (logits change only then)."""
     cfg, params = small
     tokens, mask, emb = _inputs(cfg)
-    plain = model.forward(params, cfg, tokens)["all_logits"]
-    got = model.forward(params, cfg, tokens, image_mask=mask, embeds_override=emb)["all_logits"]
+    plain = model.forward(params, cfg, tokens).all_logits
+    got = model.forward(params, cfg, tokens, image_mask=mask, embeds_override=emb).all_logits
     same = np.asarray((got == plain).all(-1))
     assert same[1].all() and same[0, :2].all()                     # before the span, row 1
     assert not same[0, 2]                                          # the first span position

@@ -51,7 +51,9 @@ def _copy(state):
 
 
 def _host(state) -> dict:
-    """Flat ``{path: numpy array}`` of a state (a host copy, safe against donation)."""
+    """Flat ``{path: numpy array}`` of a state (a host copy, safe against donation); paths as
+    ``jax.tree_util.keystr`` writes them: ``.pos``, ``.windows[3].kv``, ``.sources[2].main``,
+    ``.sources[2].tail.score``, ``.enc_ring.x``."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     return {jax.tree_util.keystr(p): np.array(v) for p, v in leaves}
 
@@ -69,7 +71,7 @@ def _pad_batch(rows: list[np.ndarray], pad_seed: int | None = None, vocab: int =
 def _prefill(params, cfg, state, rows, mode, pad_seed=None):
     toks, lengths = _pad_batch(rows, pad_seed, cfg.vocab_size)
     out, state = dsv.prefill(params, cfg, toks, state, lengths, mode=mode)
-    return np.array(out["logits"]), state
+    return np.array(out.logits), state
 
 
 def _run(params, cfg, seq, chunks, mode):
@@ -128,17 +130,19 @@ def test_ced_vs_exact_beyond_window(model, n):
     lc, sc = _run(params, cfg, seq, [n], "ced")
     le, se = _run(params, cfg, seq, [n], "exact")
     hc, he = _host(sc), _host(se)
-    dec_rings = {f"['window']['L{i}']" for i in range(dec, cfg.n_layers)}
+    dec_rings = {f".windows[{i}]." for i in range(dec, cfg.n_layers)}
 
     def is_dec_ring(path):
         return any(path.startswith(r) for r in dec_rings)
+    assert all(any(k.startswith(r) for k in hc) for r in dec_rings), \
+        "the decoder rings' paths are not in the state"
 
     assert_trees_bitwise_equal(hc, he, f"N={n}: encoder / global state of CED and exact",
                                skip=is_dec_ring)
     # The measured approximation: finite logits, and the size of the difference.
     assert np.all(np.isfinite(lc)) and np.all(np.isfinite(le))
     d_logits = _max_abs(lc, le)
-    ring_d = max(_max_abs(st.read_ring(sc["window"][f"L{i}"]), st.read_ring(se["window"][f"L{i}"]))
+    ring_d = max(_max_abs(st.read_ring(sc.windows[i]), st.read_ring(se.windows[i]))
                  for i in range(dec, cfg.n_layers))
     assert np.isfinite(d_logits) and np.isfinite(ring_d)
     print(f"\n[ced vs exact] N={n}: max |logits diff| = {d_logits:.4g} "
@@ -154,7 +158,7 @@ def forward15(model):
     cfg, params = model
     seq = _tokens(300, 15, cfg.vocab_size)
     out = dsv.forward(params, cfg, seq[None])
-    return seq, np.array(out["all_logits"][0])
+    return seq, np.array(out.all_logits[0])
 
 
 def _ulp_level_excess(x: np.ndarray, ref: np.ndarray) -> float:
@@ -198,10 +202,10 @@ def test_prefill_then_decode_matches_forward(model, forward15, n):
         lg, state = dsv.decode_step(params, cfg, state, seq[n + i:n + i + 1])
         (strict if i == 0 else later).append((f"decode step {i}", n + i, np.array(lg[0])))
         h = _host(state)
-        assert int(h["['pos']"][0]) == n + i + 1
-        for name in ("L2", "L4"):
-            assert _written_rows(h[f"['kv']['{name}']['main']"]).sum() == (n + i + 1) // 2
-        assert _written_rows(h["['kv']['L6']['main']"]).sum() == n + i + 1
+        assert int(h[".pos"][0]) == n + i + 1
+        for layer in (2, 4):
+            assert _written_rows(h[f".sources[{layer}].main"]).sum() == (n + i + 1) // 2
+        assert _written_rows(h[".sources[6].main"]).sum() == n + i + 1
     def ok(what, p, x):
         if what == "prefill":
             return _ulp_level_excess(x, ref[p]) <= 1.0
@@ -241,12 +245,12 @@ def test_chunked_prefill_equals_one_shot(model, mode, chunks):
 
 def _check_entries(cfg, h: dict, n: int, where: str):
     plan = LayerPlan.from_config(cfg)
-    assert int(h["['pos']"][0]) == n, where
+    assert int(h[".pos"][0]) == n, where
     for i in plan.kv_sources:
         r = cfg.compress_ratios[i]
         want = n // r
         for name in ("main", "main_scale", "index", "index_scale"):
-            w = _written_rows(h[f"['kv']['L{i}']['{name}']"])
+            w = _written_rows(h[f".sources[{i}].{name}"])
             expect = np.arange(w.size) < want
             assert np.array_equal(w, expect), (
                 f"{where}: n={n}, source L{i} (ratio {r}) {name}: written rows "
@@ -255,11 +259,12 @@ def _check_entries(cfg, h: dict, n: int, where: str):
 
 def _blank_tails(state, sources):
     out = _copy(state)
+    srcs = dict(out.sources)
     for i in sources:
-        src = out["kv"][f"L{i}"]
-        src["tail_kv"] = jnp.zeros_like(src["tail_kv"])
-        src["tail_score"] = jnp.full_like(src["tail_score"], -jnp.inf)
-    return out
+        t = srcs[i].tail
+        srcs[i] = srcs[i].replace(tail=st.CompressorTail(kv=jnp.zeros_like(t.kv),
+                                                         score=jnp.full_like(t.score, -jnp.inf)))
+    return out.replace(sources=srcs)
 
 
 def test_entry_counts_and_tails(model):
@@ -290,7 +295,7 @@ def test_entry_counts_and_tails(model):
             h = _host(s)
             _check_entries(cfg, h, n, f"one-shot {mode} prefill")
             for i in r2:
-                ts = h[f"['kv']['L{i}']['tail_score']"]
+                ts = h[f".sources[{i}].tail.score"]
                 if n % 2:
                     assert np.all(np.isfinite(ts)), f"{mode} n={n} L{i}: odd n needs a tail"
                 else:
@@ -304,8 +309,9 @@ def test_entry_counts_and_tails(model):
         _, state = _prefill(params, cfg, state, [seq[n - 1:n]], "exact")
         h = _host(state)
         _check_entries(cfg, h, n, "one token per prefill call")
+        assert sum(".tail." in k for k in h) == 2 * len(r2), "the tails' paths are not in the state"
         assert_trees_bitwise_equal(h, one_shot[n], f"n={n}: token-by-token and one-shot states",
-                                   skip=lambda p: n % 2 == 0 and "tail_" in p)
+                                   skip=lambda p: n % 2 == 0 and ".tail." in p)
 
     # Along decode: prefill 3 then 12 steps.
     _, state = _run(params, cfg, seq[:3], [3], "exact")
@@ -322,14 +328,14 @@ def test_entry_counts_and_tails(model):
         else:
             j = (n - 1) // 2          # the entry this step completes, from the tail
             for i in r2:
-                m, mb = h[f"['kv']['L{i}']['main']"], hb[f"['kv']['L{i}']['main']"]
+                m, mb = h[f".sources[{i}].main"], hb[f".sources[{i}].main"]
                 assert np.array_equal(m[:, :j], mb[:, :j]), f"n={n} L{i}: old entries changed"
                 assert not np.array_equal(m[:, j], mb[:, j]), (
                     f"n={n - 1} L{i}: entry {j} did not use the compressor tail")
         if n % 2:
             for i in r2:
-                for t in ("tail_kv", "tail_score"):
-                    assert np.all(np.isfinite(h[f"['kv']['L{i}']['{t}']"])), \
+                for t in ("kv", "score"):
+                    assert np.all(np.isfinite(h[f".sources[{i}].tail.{t}"])), \
                         f"decode n={n} L{i} {t} not finite"
 
 
@@ -362,9 +368,9 @@ def test_batch_rows_isolated(model):
         return (l1, h1), (l2, _host(s))
 
     def structure(h):
-        out = {"pos": h["['pos']"].tolist()}
+        out = {"pos": h[".pos"].tolist()}
         for k, v in h.items():
-            if "['main']" in k or "['index']" in k:
+            if k.endswith(".main") or k.endswith(".index"):
                 out[k] = _written_rows(v).tolist()
         return out
 
@@ -433,7 +439,7 @@ def test_rejected_calls_leave_state_untouched(model):
     seq = _tokens(700, 64, V)
     _, state = _run(params, cfg, seq[:38], [19, 19], "ced")
     before = _host(state)
-    assert int(before["['pos']"][0]) == 38
+    assert int(before[".pos"][0]) == 38
 
     def rejects(fn, match, what):
         with pytest.raises(ValueError, match=match):
@@ -477,7 +483,7 @@ def test_rejected_calls_leave_state_untouched(model):
             "prefill 57 + 8 > 64")
     _, state = _prefill(params, cfg, state, [seq[57:64]], "ced")
     before = _host(state)
-    assert int(before["['pos']"][0]) == CAP
+    assert int(before[".pos"][0]) == CAP
     rejects(lambda: dsv.decode_step(params, cfg, state, np.array([1])),
             r"64 tokens in the state \+ 1 new exceeds the state capacity of 64",
             "decode on a full state")

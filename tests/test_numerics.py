@@ -70,12 +70,12 @@ def test_padded_batch_equals_each_row_alone(bf16_model):
     tokens[:, :PROMPT_LEN] = prompts
     out, _ = model.prefill(params, cfg, tokens, st.init_state(cfg, 2, BUCKET + 16),
                            np.full(2, PROMPT_LEN), mode="exact", all_logits=True)
-    batched = np.asarray(out["all_logits"])[:, :PROMPT_LEN]
+    batched = np.asarray(out.all_logits)[:, :PROMPT_LEN]
     for row in range(2):
         alone, _ = model.prefill(params, cfg, prompts[row:row + 1],
                                  st.init_state(cfg, 1, BUCKET + 16), mode="exact",
                                  all_logits=True)
-        alone = np.asarray(alone["all_logits"])[0]
+        alone = np.asarray(alone.all_logits)[0]
         assert np.isfinite(alone).all() and np.abs(alone).max() > 0.1
         diff = np.abs(batched[row] - alone).max(-1)
         assert (batched[row].view(np.uint32) == alone.view(np.uint32)).all(), (

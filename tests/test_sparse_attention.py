@@ -301,15 +301,15 @@ def test_model_with_kernels_matches_xla_path(tiny_a, monkeypatch):
         state = dsv.init_state(cfg, 2, capacity)
         out, state = dsv.prefill(params, cfg, tokens, state, lengths, mode="exact",
                                  attn_impl=impl)
-        logits = [np.asarray(out["logits"])]
-        kv_after_prefill = {k: np.asarray(v["main"]) for k, v in state["kv"].items()}
+        logits = [np.asarray(out.logits)]
+        kv_after_prefill = {k: np.asarray(v.main) for k, v in state.sources.items()}
         nxt = logits[-1].argmax(-1)
         lg, state = dsv.decode_step(params, cfg, state, nxt, attn_impl=impl)
         logits.append(np.asarray(lg))
         return logits, kv_after_prefill
 
     la, kva = run("xla", 32, 8)
-    first = "L" + str(min(int(k[1:]) for k in kva))
+    first = min(kva)
     for capacity, min_reuse, dense in ((32, 8, False), (40, 0, True)):
         dense_calls.clear()
         lb, kvb = run("gpu_interpret", capacity, min_reuse)

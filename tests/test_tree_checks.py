@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv41_jax import state as st
 from tree_checks import assert_trees_bitwise_equal, bitwise_diffs, max_abs_diff
 
 
@@ -19,17 +20,32 @@ def test_bitwise_equal_is_stricter_than_value_equal():
         assert_trees_bitwise_equal(a, dict(a, n=other_nan))
 
 
+def _source(fill):
+    """A one-source state (the inference state's typed layout) whose main KV and compressor
+    tail kv hold ``fill``."""
+    z = jnp.zeros((2, 3), jnp.uint8)
+    return st.InferenceState(
+        pos=jnp.array([3]), windows=(),
+        sources={2: st.KVSource(main=jnp.full((2, 3), fill, jnp.bfloat16), main_scale=z,
+                                index=z, index_scale=z,
+                                tail=st.CompressorTail(kv=jnp.full((2,), fill, jnp.float32),
+                                                       score=jnp.zeros((2,), jnp.float32)))})
+
+
 def test_every_differing_leaf_listed_and_skip():
-    a = {"kv": {"L2": {"main": jnp.zeros((2, 3), jnp.bfloat16),
-                       "tail_kv": jnp.zeros((2,), jnp.float32)}}, "pos": jnp.array([3])}
-    b = {"kv": {"L2": {"main": jnp.ones((2, 3), jnp.bfloat16),
-                       "tail_kv": jnp.ones((2,), jnp.float32)}}, "pos": jnp.array([3])}
-    assert bitwise_diffs(a, b) == ["kv/L2/main: 6/6 elements differ, max |diff| 1",
-                                   "kv/L2/tail_kv: 2/2 elements differ, max |diff| 1"]
-    with pytest.raises(AssertionError, match=r"(?s)kv/L2/main.*kv/L2/tail_kv"):
+    a, b = _source(0), _source(1)
+    assert bitwise_diffs(a, b) == ["sources/2/main: 6/6 elements differ, max |diff| 1",
+                                   "sources/2/tail/kv: 2/2 elements differ, max |diff| 1"]
+    with pytest.raises(AssertionError, match=r"(?s)sources/2/main.*sources/2/tail/kv"):
         assert_trees_bitwise_equal(a, b)
-    b_main = {"kv": {"L2": dict(b["kv"]["L2"], main=a["kv"]["L2"]["main"])}, "pos": b["pos"]}
-    assert_trees_bitwise_equal(a, b_main, skip=lambda p: "tail_" in p)
+    b_main = b.replace(sources={2: b.sources[2].replace(main=a.sources[2].main)})
+    assert_trees_bitwise_equal(a, b_main, skip=lambda p: "/tail/" in p)
+    with pytest.raises(AssertionError, match=r"sources/2/tail/kv"):
+        assert_trees_bitwise_equal(a, b_main)
+    # plain dicts: the key as it is
+    da = {"kv": {"L2": {"main": jnp.zeros((2, 3), jnp.bfloat16)}}, "pos": jnp.array([3])}
+    db = {"kv": {"L2": {"main": jnp.ones((2, 3), jnp.bfloat16)}}, "pos": jnp.array([3])}
+    assert bitwise_diffs(da, db) == ["kv/L2/main: 6/6 elements differ, max |diff| 1"]
 
 
 def test_shape_dtype_and_structure_checked():

@@ -41,7 +41,8 @@ def max_abs_diff(a, b) -> float:
 
 
 def path_str(path) -> str:
-    """A leaf's path as ``kv/L2/tail_kv`` (a flat dict's key as it is)."""
+    """A leaf's path as ``sources/2/tail/kv`` (an :class:`~dsv41_jax.state.InferenceState`'s
+    attributes and dict keys joined by ``/``; a flat dict's key as it is)."""
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from dsv41_jax import checkpoint, model, quant, state as st
 from dsv41_jax.config import LayerPlan, ModelConfig
+from dsv41_jax.layers.attention import Bus
 
 STATUSES = ("pass", "fail", "info", "empty")
 
@@ -143,14 +144,14 @@ def tied_rows(f, phase: str, upto_layer: int) -> set:
     return rows
 
 
-def pack_sources(cfg: ModelConfig, state: dict, f, prefix: str) -> dict:
+def pack_sources(cfg: ModelConfig, state: st.InferenceState, f, prefix: str
+                 ) -> st.InferenceState:
     """A state whose KV sources hold the fixture's recorded caches (``<prefix>.compress_kv.L``).
 
     The recorded bf16 values are FP4-exact, so re-packing them is lossless (asserted).
     """
-    kvs = dict(state["kv"])
-    for name in kvs:
-        layer = int(name[1:])
+    kvs = dict(state.sources)
+    for layer in kvs:
         key = f"{prefix}.compress_kv.L{layer}"
         if key not in f.files:
             continue
@@ -161,13 +162,12 @@ def pack_sources(cfg: ModelConfig, state: dict, f, prefix: str) -> dict:
         c2, s2 = quant.fp4_quantize(ik, 32, "e8m0")
         assert bool((quant.fp4_dequantize(c, s, 16) == mk).all()), "main KV is not FP4-exact"
         assert bool((quant.fp4_dequantize(c2, s2, 32) == ik).all()), "index K is not FP4-exact"
-        new = dict(kvs[name])
-        new["main"] = new["main"].at[:, :T].set(quant.pack_nibbles(c))
-        new["main_scale"] = new["main_scale"].at[:, :T].set(s)
-        new["index"] = new["index"].at[:, :T].set(quant.pack_nibbles(c2))
-        new["index_scale"] = new["index_scale"].at[:, :T].set(s2)
-        kvs[name] = new
-    return dict(state, kv=kvs)
+        old = kvs[layer]
+        kvs[layer] = old.replace(main=old.main.at[:, :T].set(quant.pack_nibbles(c)),
+                                 main_scale=old.main_scale.at[:, :T].set(s),
+                                 index=old.index.at[:, :T].set(quant.pack_nibbles(c2)),
+                                 index_scale=old.index_scale.at[:, :T].set(s2))
+    return state.replace(sources=kvs)
 
 
 def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str = "auto"
@@ -185,9 +185,10 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str
     base = pack_sources(cfg, st.init_state(cfg, B, cap), f, "after_prefill")
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     attn_i, index_i, select_i = model.kernel_impls(cfg, attn_impl)
-    ch = model._make_chunk(cfg, pos, jnp.ones((B, S), bool), jnp.zeros(B, jnp.int32),
-                           jnp.full(B, S, jnp.int32), jnp.zeros(B, jnp.int32), False, False,
-                           attn_i, index_impl=index_i, select_impl=select_i)
+    ch = model.make_chunk(cfg, positions=pos, valid=jnp.ones((B, S), bool),
+                          p0=jnp.zeros(B, jnp.int32), n=jnp.full(B, S, jnp.int32),
+                          win_lo=jnp.zeros(B, jnp.int32), decode=False, compat=False,
+                          attn_impl=attn_i, index_impl=index_i, select_impl=select_i)
     image_mask = jnp.asarray(f["prefill.image_mask"]) if "prefill.image_mask" in f.files else None
     engram_ids = {}
     if cfg.engram_layer_ids:
@@ -204,27 +205,29 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str
         else:
             X = jnp.asarray(f[f"prefill.block_out.L{L - 1}"]).astype(jnp.bfloat16)
             pm = jnp.asarray(f[f"prefill.block_pre_mix.L{L - 1}"])
-        state = base
-        bus = {"topk": jnp.full((B, S, 1), -1, jnp.int32), "candidates": None}
+        topk = jnp.full((B, S, 1), -1, jnp.int32)
+        candidates = None
         if role.mode == "reuse":
             ft = f[f"prefill.index_topk.L{role.index_layer}"]
-            bus["topk"] = jnp.asarray(np.where(ft >= 0, ft - S, -1).astype(np.int32))
+            topk = jnp.asarray(np.where(ft >= 0, ft - S, -1).astype(np.int32))
         if role.uses_candidates:
             fc = f[f"prefill.candidates.L{cfg.candidate_source_layer}"]
             T = st.entry_capacity(cap, 1)
-            bus["candidates"] = jnp.asarray(np.pad(fc, ((0, 0), (0, 0), (0, T - fc.shape[-1]))))
+            candidates = jnp.asarray(np.pad(fc, ((0, 0), (0, 0), (0, T - fc.shape[-1]))))
+        bus = Bus(topk=topk, candidates=candidates)
+        lp = _layer_params(params, cfg, L)
+        ls = st.LayerState(window=base.windows[L],
+                           source=base.sources[role.kv_layer] if role.ratio else None)
         if role.owns_kv:
             # the source's own entries, built from its input, vs the recorded cache ...
-            fresh = st.init_state(cfg, B, cap)["kv"][f"L{L}"]
-            s_fresh = dict(state, kv=dict(state["kv"], **{f"L{L}": fresh}))
-            _, kv_after = _run_block(params["layers"][L], X, pm, role, cfg, ch, s_fresh, bus,
-                                     engram_ids.get(L), image_mask, compiled)
-            out += _source_checks(cfg, kv_after[f"L{L}"], f, L, case)
+            fresh = st.init_state(cfg, B, cap).sources[L]
+            _, src_after = _run_block(lp, X, pm, role, cfg, ch, ls.replace(source=fresh), bus,
+                                      engram_ids.get(L), image_mask, compiled)
+            out += _source_checks(cfg, src_after, f, L, case)
         # ... and the block's outputs with every shared input teacher-forced (a single FP4 code
         # flipped by fp32 summation order in the compressor would otherwise move whole rows)
-        rec, _ = _run_block(params["layers"][L], X, pm, role, cfg, ch, state, bus,
-                            engram_ids.get(L), image_mask, compiled,
-                            skip_kv_update=role.owns_kv)
+        rec, _ = _run_block(lp, X, pm, role, cfg, ch, ls, bus, engram_ids.get(L), image_mask,
+                            compiled, skip_kv_update=role.owns_kv)
         ties = tied_rows(f, "prefill", L)
         keep = np.array([s not in ties for s in range(S)])
         noise = f[f"prefill.block_out_noise.L{L}"] if f"prefill.block_out_noise.L{L}" in f.files \
@@ -269,13 +272,13 @@ def _equal_rows(case, name, eq: np.ndarray, what: str) -> Check:
                 "are skipped")
 
 
-def _source_checks(cfg, src, f, L, case) -> list[Check]:
+def _source_checks(cfg, src: st.KVSource, f, L, case) -> list[Check]:
     """Entries a teacher-forced KV source appended vs the recorded caches: bit-exact."""
     out = []
     for kind, deq, codes, sc in (("compress_kv", st.dequant_main_kv, "main", "main_scale"),
                                  ("index_k", st.dequant_index_k, "index", "index_scale")):
         ref = f[f"after_prefill.{kind}.L{L}"]
-        got = np.asarray(deq(src[codes], src[sc]), np.float32)[:, :ref.shape[1]]
+        got = np.asarray(deq(getattr(src, codes), getattr(src, sc)), np.float32)[:, :ref.shape[1]]
         a, r = _err(got, ref)
         if not got.size:
             out.append(empty(case, f"tf.{kind}.L{L}", "no cache entry written", RULE_FP4))
@@ -283,11 +286,11 @@ def _source_checks(cfg, src, f, L, case) -> list[Check]:
         same = float((got == ref).mean())
         out.append(hard(case, f"tf.{kind}.L{L}", same >= 0.98, a, r,
                         f"{100 * same:.2f}% >= 98% of FP4 values bit-exact", RULE_FP4))
-    if f"after_prefill.compressor_kv_state.L{L}" in f.files and "tail_kv" in src:
+    if f"after_prefill.compressor_kv_state.L{L}" in f.files and src.tail is not None:
         S = f["input_ids"].shape[1]
         if S % 2:
             ref = f[f"after_prefill.compressor_kv_state.L{L}"][:, 0]
-            got = np.asarray(src["tail_kv"])
+            got = np.asarray(src.tail.kv)
             a, r = _err(got, ref)
             out.append(hard(case, f"tf.compressor_tail.L{L}", r <= 1e-5 or a <= 1e-6, a, r,
                             f"max_rel {r:.3g} <= 1e-5 (or max_abs <= 1e-6)",
@@ -295,29 +298,31 @@ def _source_checks(cfg, src, f, L, case) -> list[Check]:
     return out
 
 
-def _run_block(p, X, pm, role, cfg, ch, state, bus, engram_ids, image_mask, compiled: dict,
-               skip_kv_update=False):
-    """Block ``role.layer`` alone: ``(its records, the state's KV sources after it)``.
+def _layer_params(params, cfg, L) -> dict:
+    """Layer ``L``'s parameters from the raw (``params["layers"]``) or the prepared tree
+    (:func:`dsv41_jax.model.prepare_params`)."""
+    return params["layers"][L] if "layers" in params else model.layer_params(params, cfg, L)
+
+
+def _run_block(p, X, pm, role, cfg, ch, ls: st.LayerState, bus: Bus, engram_ids, image_mask,
+               compiled: dict, skip_kv_update=False):
+    """Block ``role.layer`` alone on its slices of the state ``ls`` (its window ring and the KV
+    source it reads, the only state a prefill block reads): ``(its records, its KV source
+    after it)`` (``None`` for an SWA-only layer).
 
     Compiles are shared between layers that differ only in their indices (same mode, ratio
-    and flags; the caller's ``compiled`` dict, one per case, holds the jitted blocks): the
-    block sees its window ring as ``L-1`` and its KV source as ``L-2``, the only state
-    entries a prefill block reads."""
+    and flags; the caller's ``compiled`` dict, one per case, holds the jitted blocks)."""
     key = (dataclasses.replace(role, layer=-1, kv_layer=-2 if role.ratio else -1,
                                index_layer=-1), skip_kv_update)
     if key not in compiled:
-        def fn(p, X, pm, state, bus, engram_ids, image_mask):
+        def fn(p, X, pm, ls, bus, engram_ids, image_mask):
             rec = {}
-            _, _, state, _ = model.block(p, X, pm, key[0], cfg, ch, state, bus,
-                                         engram_ids=engram_ids, image_mask=image_mask,
-                                         skip_kv_update=skip_kv_update, record=rec)
-            return rec, state["kv"]
+            _, _, ls, _ = model.block(p, X, pm, key[0], cfg, ch, ls, bus,
+                                      engram_ids=engram_ids, image_mask=image_mask,
+                                      skip_kv_update=skip_kv_update, record=rec)
+            return rec, ls.source
         compiled[key] = jax.jit(fn)
-    kv_name = f"L{role.kv_layer}"
-    local = dict(state, window={"L-1": state["window"][f"L{role.layer}"]},
-                 kv={"L-2": state["kv"][kv_name]} if role.ratio else {})
-    rec, kv = compiled[key](p, X, pm, local, bus, engram_ids, image_mask)
-    return rec, (dict(state["kv"], **{kv_name: kv["L-2"]}) if role.ratio else state["kv"])
+    return compiled[key](p, X, pm, ls, bus, engram_ids, image_mask)
 
 
 PREFILL_BUCKET = 64   # prompts are right-padded to this length: one compile per batch size
@@ -336,6 +341,7 @@ def end_to_end(cfg, params, f, case_meta: dict, compat: bool, image=None,
     the noise runs never flipped (bf16 weights; information only for quantised weights).
     """
     name = case_meta["name"]
+    params = model.prepare_params(params, cfg)   # once for the prefill and every decode step
     ids = f["input_ids"]
     B, S = ids.shape
     n_dec = case_meta["decode_steps"]
@@ -355,14 +361,14 @@ def end_to_end(cfg, params, f, case_meta: dict, compat: bool, image=None,
                                attn_impl=attn_impl, **kw)
     ref, cols, tok, margin = _ref_logits(f, "prefill")
     if ref is not None:
-        got = np.asarray(res["all_logits"])[:, :S]
+        got = np.asarray(res.all_logits)[:, :S]
         got_c = got if cols is None else got[..., cols]
         out += logit_checks(name, "prefill", got_c, ref, f["prefill.logits_noise"],
                              f["prefill.logits_noise_mean"], tf["prefill_positions"],
                              tok, margin, np.argmax(got, -1), None, cfg.dtype == "bf16")
     out += _cache_checks(cfg, state, f, "after_prefill", name, tf["prefill_positions"])
     if cfg.engram_layer_ids:
-        hist = np.asarray(state["engram_history"])
+        hist = np.asarray(state.engram_history)
         ref = f["after_prefill.engram_history"][:, :S]
         P = hist.shape[1]
         want = ref[:, -P:] if S >= P else np.concatenate([np.full((B, P - S), -1), ref], 1)
@@ -378,10 +384,10 @@ def end_to_end(cfg, params, f, case_meta: dict, compat: bool, image=None,
             res, state = model.decode_step(params, cfg, state, dec_in[i],
                                            compat_stale_index_k=compat, collect=True,
                                            attn_impl=attn_impl)
-            got.append(np.asarray(res["logits"]))
+            got.append(np.asarray(res.logits))
             for L in r2:  # the layers whose keys the compat quirk swaps on even positions
                 ref_rows = f[f"decode.index_topk.L{L}"][i]
-                mine = np.asarray(res["records"][L]["index_topk"])[..., :ref_rows.shape[-1]]
+                mine = np.asarray(res.records[L]["index_topk"])[..., :ref_rows.shape[-1]]
                 mine = np.where(mine >= 0, mine + cfg.window_size, -1)
                 valid = ref_rows != -2
                 rows_eq.append(bool((np.where(valid, mine, -2) == ref_rows).all()))
@@ -493,7 +499,7 @@ def _cache_checks(cfg, state, f, prefix, name, tie_free_tokens: int) -> list[Che
         if key not in f.files:
             continue
         ref = f[key]
-        got = np.asarray(st.read_ring(state["window"][f"L{L}"]), np.float32)
+        got = np.asarray(st.read_ring(state.windows[L]), np.float32)
         filled_ref = np.abs(ref).sum(-1) > 0
         filled_got = np.abs(got).sum(-1) > 0
         out.append(hard(name, f"{key} filled", (filled_ref == filled_got).all(),
@@ -508,9 +514,9 @@ def _cache_checks(cfg, state, f, prefix, name, tie_free_tokens: int) -> list[Che
                 continue
             ref = f[key]
             T = ref.shape[1]
-            src = state["kv"][f"L{L}"]
-            codes, sc = ((src["main"], src["main_scale"]) if kind == "compress_kv"
-                         else (src["index"], src["index_scale"]))
+            src = state.sources[L]
+            codes, sc = ((src.main, src.main_scale) if kind == "compress_kv"
+                         else (src.index, src.index_scale))
             got = np.asarray(deq(codes, sc), np.float32)[:, :T]
             r = cfg.compress_ratios[L]
             if tie_free_tokens < 0:
@@ -652,7 +658,7 @@ def _bitwise_equal(a, b) -> bool:
         and np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
 
 
-def stale_index_k_state(cfg: ModelConfig, state: dict) -> dict:
+def stale_index_k_state(cfg: ModelConfig, state: st.InferenceState) -> st.InferenceState:
     """``state`` with the index K (codes and scales) of every ratio-2 KV source replaced by
     the first ratio-1 source's rows: what the reference's ratio-2 indexers read on an even
     decode position (docs/architecture.md, "Stale indexer K in decode (compatibility switch)")."""
@@ -660,14 +666,13 @@ def stale_index_k_state(cfg: ModelConfig, state: dict) -> dict:
     r1 = [L for L in plan.kv_sources if cfg.compress_ratios[L] == 1]
     if not r1:
         return state
-    s1 = state["kv"][f"L{r1[0]}"]
-    kv = dict(state["kv"])
+    s1 = state.sources[r1[0]]
+    kv = dict(state.sources)
     for L in plan.kv_sources:
         if cfg.compress_ratios[L] == 2:
-            t = kv[f"L{L}"]["index"].shape[1]
-            kv[f"L{L}"] = dict(kv[f"L{L}"], index=s1["index"][:, :t],
-                               index_scale=s1["index_scale"][:, :t])
-    return dict(state, kv=kv)
+            t = kv[L].index.shape[1]
+            kv[L] = kv[L].replace(index=s1.index[:, :t], index_scale=s1.index_scale[:, :t])
+    return state.replace(sources=kv)
 
 
 def compat_switch_checks(cfg, params, f, intended, name: str, attn_impl: str = "auto"
@@ -702,6 +707,7 @@ def compat_switch_checks(cfg, params, f, intended, name: str, attn_impl: str = "
         return [empty(name, "compat switch", "no decode step where the switch can act",
                       RULE_COMPAT)]
     i, L0 = steps[0], owners[0]
+    params = model.prepare_params(params, cfg)   # once for the prefill and every decode step
     state = st.init_state(cfg, B, max(CAPACITY, S + n_dec + 2))
     padded = np.zeros((B, max(PREFILL_BUCKET, S)), np.int64)
     padded[:, :S] = ids
@@ -730,7 +736,7 @@ def compat_switch_checks(cfg, params, f, intended, name: str, attn_impl: str = "
                         f"and records bitwise", RULE_COMPAT))
 
     def row(res):
-        got = np.asarray(res["records"][L0]["index_topk"])
+        got = np.asarray(res.records[L0]["index_topk"])
         ref = f[f"decode.index_topk.L{L0}"][i]
         got = got[..., :ref.shape[-1]]
         return np.where(ref != -2, np.where(got >= 0, got + cfg.window_size, -1), -2)
