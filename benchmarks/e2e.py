@@ -58,7 +58,7 @@ import numpy as np
 from benchmarks import config as bench_config
 from benchmarks.timing import memory_stats, roofline, trace_profile, write_json, xla_compiles
 from dsv41_jax import compile_cache, generation, model, random_weights, state as st
-from dsv41_jax.cli.args import Parser, positive_int, positive_ints
+from dsv41_jax.cli.args import Parser, nonnegative_int, positive_int, positive_ints
 from dsv41_jax.config import LayerPlan, ModelConfig
 from pallas_kernels.impls import check_family
 
@@ -211,16 +211,6 @@ def prefill_flops(cfg: ModelConfig, n: int, mode: str, chunk: int | None = None)
 # ----------------------------------------------------------------------------- arguments
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="dsv41-bench-e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--config", choices=bench_config.E2E_CONFIGS, default="mid",
@@ -243,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timed decode steps per row (default 20) and tokens of the loop")
     ap.add_argument("--warmup-steps", type=positive_int, default=2,
                     help="decode steps before the timed ones, the first compiling (default 2)")
-    ap.add_argument("--profile-steps", type=_nonneg_int, default=3,
+    ap.add_argument("--profile-steps", type=nonnegative_int, default=3,
                     help="decode steps (and prefill calls: 1) traced for device time and "
                          "kernel launches (default 3; 0: no trace)")
     ap.add_argument("--prefill-reps", type=positive_int, default=2,

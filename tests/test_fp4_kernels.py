@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from tools_util import load_tool
 
 from dsv41_jax import quant
 from pallas_kernels import fp4
@@ -349,13 +350,7 @@ def test_asm_encode_is_exact_for_every_bf16_value():
 def test_triton_kernels_lower_for_h200(fmt, encode):
     """The GPU build of quantize_pack (both encodes) lowers to Triton IR for an H200 on CPU,
     with the PTX of the asm encode in the IR."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "tools", "triton_report.py")
-    spec = importlib.util.spec_from_file_location("triton_report", path)
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = load_tool("triton_report")
     q = jax.jit(functools.partial(fp4.quantize_pack, fmt=fmt, impl="gpu", encode=encode))
     [ttir] = report.capture_ttir(q, jax.ShapeDtypeStruct((300, 512), jnp.bfloat16))
     assert ttir.count("set.gt.u32.bf16x2") == (4 if encode == "asm" else 0)

@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import csv
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
 
 import pytest
+from tools_util import load_tool
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "tools", "ncu_stalls.py")
 
 
 @pytest.fixture(scope="module")
 def ns():
-    spec = importlib.util.spec_from_file_location("ncu_stalls", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("ncu_stalls")
 
 
 # address, SASS, long_sb, barrier, wait, executed

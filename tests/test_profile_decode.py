@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
-
-_PATH = os.path.join(os.path.dirname(__file__), "..", "tools", "profile_decode.py")
+from tools_util import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("profile_decode", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("profile_decode")
 
 
 def _ev(name, dur, thread="Stream #13(Kernel)", process="/device:GPU:0"):

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import ptx_emu
 import pytest
+from tools_util import load_tool
 from jax._src.pallas.triton import gpu_info
 
 from pallas_kernels.sparse_attention import common
@@ -151,13 +152,7 @@ def test_triton_report_lowers_the_chunked_kernel():
     2 at the release dims). Each chunk's decode is emitted for both; Triton's CSE merges them
     (with triton 3.6: 96 of the 192 inline-asm decodes remain after the TTIR passes, and one
     shared-memory tile per chunk and phase feeds both products)."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "tools", "triton_report.py")
-    spec = importlib.util.spec_from_file_location("triton_report", path)
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = load_tool("triton_report")
     packed = {"kv": "packed"}
     ttir = report.lower_to_ttir("prefill", packed)
     assert ttir.count("tt.dot ") == 2 * 8 * 2

@@ -12,15 +12,19 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
-def positive_int(text: str) -> int:
-    """An ``argparse`` type: an integer >= 1 (``ArgumentTypeError`` otherwise)."""
+def _int_at_least(text: str, lo: int) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
     return v
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (``ArgumentTypeError`` otherwise)."""
+    return _int_at_least(text, 1)
 
 
 def positive_ints(text: str) -> list[int]:
@@ -33,10 +37,4 @@ def positive_ints(text: str) -> list[int]:
 
 def nonnegative_int(text: str) -> int:
     """An ``argparse`` type: an integer >= 0 (``ArgumentTypeError`` otherwise)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+    return _int_at_least(text, 0)
