@@ -12,7 +12,12 @@ Entry points (pure; jit-compiled with the config static and the state donated):
   state. ``mode="ced"``: the encoder runs over all positions, the decoder's global KV is
   projected from the encoder output, and the decoder runs only over the last ``min(N, W)``
   positions (bounded replay). ``mode="exact"``: every position through every layer.
-* :func:`decode_step` - one token per row through all layers.
+* :func:`decode_step` - one token per row through all layers; :func:`decode_fn` - the same as a
+  pure traceable function, for loops that stay on the device (:mod:`dsv41_jax.generation`).
+
+The layers run as scanned groups over parameters stacked once by :func:`prepare_params`
+(docs/architecture.md, "Scanned layer groups"); each layer gets the slices of the state it reads
+(:class:`dsv41_jax.state.LayerState`).
 
 Bad input raises ``ValueError`` before anything runs, so a rejected call never touches the state.
 """
