@@ -1,0 +1,75 @@
+"""Scanned layer groups: how the layers are split into units and groups, and the stacked
+parameters of ``model.prepare_params``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import model
+from dsv41_jax.config import LayerPlan, ModelConfig
+from dsv41_jax.layers.linear import dequant_weight
+
+from benchmarks.config import _no_extras, load_release_dict
+
+
+def _groups(cfg):
+    return [(g.units, g.runs) for g in LayerPlan.from_config(cfg).groups]
+
+
+def test_release_layout_without_engram():
+    """2 SWA-only layers, 3 x (ratio-2 Full + 5 Reuse), ratio-1 Full + 3 Reuse,
+    4 x (Reindex + 3 Reuse): 7 layer bodies for 40 layers."""
+    d = _no_extras(load_release_dict())
+    d.update(engram_layer_ids=[], engram_num_embeddings=[])
+    groups = _groups(ModelConfig.from_dict(d))
+    assert groups == [
+        (((0,), (1,)), ((0, 1),)),
+        ((tuple(range(2, 8)), tuple(range(8, 14)), tuple(range(14, 20))), ((0, 1), (1, 5))),
+        ((tuple(range(20, 24)),), ((0, 1), (1, 3))),
+        (tuple(tuple(range(s, s + 4)) for s in (24, 28, 32, 36)), ((0, 1), (1, 3))),
+    ]
+    assert sum(len(runs) for _, runs in groups) == 7
+
+
+def test_release_layout_engram_units_stay_alone():
+    """Engram layers (1 and 14) make their units differ from every other one."""
+    groups = _groups(ModelConfig.from_json("configs/flash.json"))
+    units = [u for g in groups for u in g[0]]
+    assert [i for u in units for i in u] == list(range(40))
+    alone = [g[0] for g in groups if len(g[0]) == 1]
+    assert ((1,),) in alone and (tuple(range(14, 20)),) in alone
+    assert ((tuple(range(2, 8)), tuple(range(8, 14))), ((0, 1), (1, 5))) in groups
+
+
+@pytest.fixture(scope="module")
+def small():
+    from dsv41_jax.random_weights import random_params_device
+    cfg = ModelConfig.from_json("configs/small.json")
+    raw = random_params_device(cfg, 0)
+    return cfg, raw, model.prepare_params(raw, cfg)
+
+
+def test_prepare_params_layer_roundtrip(small):
+    """Every layer read back out of the stacked groups equals its raw parameters; FP8 linears
+    come back as their exact bf16 dequantisation; experts stay packed."""
+    cfg, raw, prep = small
+    assert "layers" not in prep and model.prepare_params(prep, cfg) is prep
+    for i in range(cfg.n_layers):
+        got = model.layer_params(prep, cfg, i)
+        want = raw["layers"][i]
+        assert got["attn"]["wq_b"].keys() == {"dq"}
+        np.testing.assert_array_equal(
+            np.asarray(got["attn"]["wq_b"]["dq"], np.float32),
+            np.asarray(dequant_weight(want["attn"]["wq_b"], jnp.bfloat16), np.float32))
+        for a, b in zip(jax.tree.leaves(got["ffn"]["experts"]),
+                        jax.tree.leaves(want["ffn"]["experts"])):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
+                                          np.asarray(b).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(got["attn_norm"]["weight"]),
+                                      np.asarray(want["attn_norm"]["weight"]))
+    with pytest.raises(ValueError, match="outside the model's 8 layers"):
+        model.layer_params(prep, cfg, 8)
