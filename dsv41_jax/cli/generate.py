@@ -103,24 +103,24 @@ def state_report(cfg: ModelConfig, state: st.InferenceState) -> list[str]:
 # ----------------------------------------------------------------------------- arguments
 
 
-def _temperature(text: str) -> float:
+def _number(text: str, ok, need: str) -> float:
+    """An ``argparse`` number for which ``ok(v)`` holds (``need`` says what it must be)."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text}")
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"must be {need}, got {text}")
     return v
+
+
+def _temperature(text: str) -> float:
+    return _number(text, lambda v: math.isfinite(v) and v >= 0,
+                   "a finite number >= 0 (0: greedy)")
 
 
 def _top_p(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] (1: off), got {text}")
-    return v
+    return _number(text, lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
