@@ -320,6 +320,27 @@ def test_refuses_an_empty_prompt_file(tmp_path, capsys):
     assert f"argument --prompt-file: {p} is empty" in _refused(["--prompt-file", str(p)], capsys)
 
 
+def test_refuses_unreadable_prompt_files(tmp_path, capsys):
+    """A prompt file that is not UTF-8, or a directory, is refused with one line naming the
+    option (not a traceback, not "no such file")."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfeh\x00i\x00")
+    for opt in ("--prompt-file", "--prompts-file"):
+        assert f"argument {opt}: {bad} is not UTF-8 text (byte 0" in _refused([opt, str(bad)],
+                                                                              capsys)
+        assert f"argument {opt}: {tmp_path} is a directory, not a file" in _refused(
+            [opt, str(tmp_path)], capsys)
+
+
+def test_refuses_a_cache_directory_it_cannot_make(tmp_path, capsys):
+    """A cache directory that cannot be created is refused naming --compile-cache."""
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    where = blocked / "cache"          # below a regular file: makedirs fails
+    line = _refused(["--compile-cache", str(where), "--max-new-tokens", "1"], capsys)
+    assert f"argument --compile-cache: cannot use {where}: Not a directory" in line
+
+
 def test_refuses_a_blank_prompts_file_and_prompts_too_far_apart(tmp_path, capsys):
     p = tmp_path / "p.txt"
     p.write_text("\n  \n")

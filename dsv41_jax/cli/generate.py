@@ -194,23 +194,35 @@ def _read_prompts(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list
             ap.error("argument --prompt: the prompt is empty")
         return [args.prompt]
     if args.prompt_file is not None:
-        if not os.path.isfile(args.prompt_file):
-            ap.error(f"argument --prompt-file: no such file: {args.prompt_file}")
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
+        text = _read_text(ap, "--prompt-file", args.prompt_file)
         if not text.strip():
             ap.error(f"argument --prompt-file: {args.prompt_file} is empty")
         return [text]
     if args.prompts_file is not None:
-        if not os.path.isfile(args.prompts_file):
-            ap.error(f"argument --prompts-file: no such file: {args.prompts_file}")
-        with open(args.prompts_file, encoding="utf-8") as f:
-            texts = [line.rstrip("\r\n") for line in f if line.strip()]
+        texts = [line.rstrip("\r") for line in
+                 _read_text(ap, "--prompts-file", args.prompts_file).split("\n")
+                 if line.strip()]
         if not texts:
             ap.error(f"argument --prompts-file: {args.prompts_file} has no prompt (every line "
                      "is blank)")
         return texts
     return [DEFAULT_PROMPT]
+
+
+def _read_text(ap, option: str, path: str) -> str:
+    """The UTF-8 text of the file ``path`` given to ``option``; a missing file, a directory or
+    a file that is not UTF-8 is refused through ``ap.error``."""
+    if os.path.isdir(path):
+        ap.error(f"argument {option}: {path} is a directory, not a file")
+    if not os.path.isfile(path):
+        ap.error(f"argument {option}: no such file: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        ap.error(f"argument {option}: {path} is not UTF-8 text (byte {e.start}: {e.reason})")
+    except OSError as e:
+        ap.error(f"argument {option}: cannot read {path}: {e.strerror}")
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
@@ -501,11 +513,14 @@ def main(argv=None) -> int:
         chunk_plan([len(r) for r in rows], args.chunk)
     except ValueError as e:
         ap.error(f"argument --prompts-file: {e}")
-    try:
-        if args.cache_dir is None:
-            compile_cache.disable()
-        else:
+    if args.cache_dir is None:
+        compile_cache.disable()
+    else:
+        try:
             compile_cache.enable(args.cache_dir)
+        except OSError as e:
+            ap.error(f"argument --compile-cache: cannot use {args.cache_dir}: {e.strerror}")
+    try:
         rec = generate(args, cfg, tok, rows)
         if args.json:
             with open(args.json, "w") as f:
