@@ -96,7 +96,9 @@ def decode_bytes_parts(cfg: ModelConfig, batch: int, context: int) -> dict[str, 
     (:func:`benchmarks.config.param_bytes_by_group`):
 
     * ``dense``: every weight but the embedding, the head, the routed experts and Engram's
-      tables (attention, indexer, compressors, norms, mHC, router, shared experts);
+      tables (attention, indexer, compressors, norms, mHC, router, shared experts), ``wo_a``
+      in its stored FP8 form (:func:`wo_a_stored_saving`: the loader's bf16 copy holds the
+      same values, and the GPU's prepared form reads the FP8 one);
     * ``experts``: the routed experts the step selects, ``batch x n_activated`` of them per
       layer at most, and at most all (no two tokens assumed to share an expert);
     * ``head``: the fp32 output head, all of it;
@@ -125,13 +127,22 @@ def decode_bytes_parts(cfg: ModelConfig, batch: int, context: int) -> dict[str, 
                 kv += int(_scored(role, cfg, vis)) * idx_row
     hd = cfg.engram_head_dim
     engram_lookups = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-    parts = {"dense": g["dense"], "experts": g["experts"] * min(batch * k, E) // E,
+    parts = {"dense": g["dense"] - wo_a_stored_saving(cfg), "experts": g["experts"] * min(batch * k, E) // E,
              "head": g["head"], "embed_rows": batch * cfg.dim * 2,
              "engram_rows": (batch * len(cfg.engram_layer_ids) * engram_lookups
                              * (hd + hd // 32) if cfg.engram_layer_ids else 0),
              "kv": batch * kv}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def wo_a_stored_saving(cfg: ModelConfig) -> int:
+    """Bytes of the ``wo_a`` weights as loaded (bf16) minus their stored FP8 form (codes and
+    one E8M0 byte per 32 x 32 tile), summed over the layers."""
+    G, O, H, K = cfg.o_groups, cfg.o_lora_rank, cfg.n_heads, cfg.head_dim
+    rows, cols = G * O, H * K // G
+    stored = rows * cols + math.ceil(rows / 32) * math.ceil(cols / 32)
+    return cfg.n_layers * (2 * rows * cols - stored)
 
 
 def decode_bytes(cfg: ModelConfig, batch: int, context: int) -> int:

@@ -32,16 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import state as st
+from dsv41_jax import quant, state as st
 from dsv41_jax.config import LayerGroup, LayerPlan, ModelConfig
 from dsv41_jax.layers import engram as engram_layer
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.attention import Bus, Chunk, attention, kv_source_update
 from dsv41_jax.layers.linear import dequant_weight, rms_norm
-from dsv41_jax.layers.moe import moe
+from dsv41_jax.layers.moe import MOE_IMPLS, moe
 from dsv41_jax.layers.rope import rope_frequencies
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
-from pallas_kernels.impls import check_family
+from pallas_kernels.impls import check_family, on_gpu
 from pallas_kernels.indexer import impl_for_family, select_impl_for_family
 from pallas_kernels.sparse_attention import resolve_impl
 
@@ -55,6 +55,7 @@ class Static(NamedTuple):
     attn_impl: str = "xla"   # resolved sparse-attention implementation (never "auto")
     index_impl: str = "xla"  # resolved indexer-scores implementation (never "auto")
     select_impl: str = "xla"  # resolved indexer top-k implementation (never "auto")
+    moe_impl: str = "dense"   # routed experts of a large call (layers.moe.MOE_IMPLS)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -83,41 +84,84 @@ class StepOutput:
 # ----------------------------------------------------------------------------- parameters
 
 
-def _linear_prepared(p: dict) -> dict:
-    """An FP8 block-scaled linear as its bf16 dequantised weight (``"dq"``; the activations are
-    still FP8-quantised on use, :func:`dsv41_jax.layers.linear.linear`)."""
-    return {"dq": dequant_weight(p, BF16)}
+LINEAR_FORMS = ("auto", "bf16", "stored")
 
 
-def _prepare_layer(lp: dict) -> dict:
-    def walk(d):
+def _fp8_blocks_of(w) -> dict | None:
+    """A bf16 weight ``[out, in]`` whose 32 x 32 blocks each hold FP8 values times one power of
+    two (an FP8 linear dequantised at load, as ``wo_a``) -> ``{"fp8": codes, "scale": E8M0}``
+    with exactly those values, or None if it is not one (or is traced: no check possible).
+    Each block gets the smallest scale that keeps its amax within e4m3's 448; every value of
+    an FP8-derived block divides exactly by it, which is checked."""
+    if (isinstance(w, jax.core.Tracer) or w.dtype != BF16 or w.ndim != 2
+            or w.shape[0] % 32 or w.shape[1] % 32):
+        return None
+    N, K = w.shape
+    b = w.astype(F32).reshape(N // 32, 32, K // 32, 32)
+    amax = jnp.max(jnp.abs(b), axis=(1, 3))
+    e = quant._pow2_ceil_exponent(jnp.maximum(amax, np.float32(448.0 * 2.0 ** -126)) / 448.0)
+    s = quant.exp2_int(e)[:, None, :, None]
+    codes = (b / s).astype(jnp.float8_e4m3fn)
+    if not bool(jnp.all(codes.astype(F32) * s == b)):
+        return None
+    return {"fp8": codes.reshape(N, K), "scale": (e + 127).astype(jnp.uint8)}
+
+
+def _prepare_layer(lp: dict, linears: str) -> dict:
+    if linears == "stored" and "wo_a" in lp.get("attn", {}):
+        fp8 = _fp8_blocks_of(lp["attn"]["wo_a"].get("weight"))
+        if fp8 is not None:
+            lp = {**lp, "attn": {**lp["attn"], "wo_a": fp8}}
+
+    def walk(d, in_experts=False):
         if isinstance(d, dict):
-            if "weight" in d and getattr(d["weight"], "dtype", None) == jnp.float8_e4m3fn:
-                return _linear_prepared(d)
-            # routed experts stay packed FP4; Engram's table is an embedding, not a linear
-            return {k: (v if k in ("experts", "engram") else walk(v)) for k, v in d.items()}
+            if "fp8" in d:
+                return d
+            w = d.get("weight")
+            if w is not None and w.dtype == jnp.float8_e4m3fn:
+                if linears == "bf16":
+                    return {"dq": dequant_weight(d, BF16)}
+                return {"fp8": w, "scale": d["scale"]}
+            if in_experts and w is not None and w.dtype == jnp.uint8 and linears == "stored":
+                return {"fp4": w, "scale": d["scale"]}
+            # Engram's table is an embedding, not a linear
+            return {k: (v if k == "engram" else walk(v, in_experts or k == "experts"))
+                    for k, v in d.items()}
         return d
     return walk(lp)
 
 
-def prepare_params(params, cfg: ModelConfig):
+def prepare_params(params, cfg: ModelConfig, linears: str = "auto"):
     """The parameters in the form the compiled steps read fastest, prepared once at load time
     (docs/architecture.md, "Scanned layer groups" and "Quantised linears").
 
     * The layers' parameters are stacked per :class:`~dsv41_jax.config.LayerGroup`: for every
       run of a group's units, one tree with leading axes [units, layers in the run].
-    * FP8 block-scaled linears are dequantised to bf16 once (their numerics are unchanged: the
-      activations are still quantised on use, and FP8 values times a power of two are exact in
-      bf16). Routed experts stay packed FP4.
+    * ``linears``: the form of the FP8 block-scaled linears and the FP4 routed experts.
+      ``"bf16"``: FP8 linears dequantised to bf16 once (``{"dq": W}``), experts packed as
+      stored; every call is a GEMM. ``"stored"``: both kept as stored (``{"fp8": W, "scale":
+      S}``, ``{"fp4": ...}``), and ``wo_a`` (dequantised to bf16 at load, as the reference
+      does) back in FP8 where its values are exactly FP8 blocks (checked; else it stays
+      bf16); a call of a few rows (decode) reads the stored bytes in place (the FP8 stacked
+      GEMV kernel on a GPU, else a fused dequantise-multiply-reduce), a larger one
+      dequantises and runs the GEMM (:func:`dsv41_jax.layers.linear.linear`). ``"auto"``: ``"stored"`` on an NVIDIA GPU,
+      ``"bf16"`` elsewhere. Either way the numerics are the stored formats' (activations are
+      still quantised on use; FP8 / FP4 values times a power of two are exact in bf16), the
+      results differing only in summation order.
 
     ``params``: the pytree of :func:`dsv41_jax.checkpoint.params_from_tensors` (or
     :func:`~dsv41_jax.random_weights.random_params_device`); an already prepared tree is returned
     as it is. Every entry point accepts both; passing the raw tree re-prepares it per call.
+    Raises ``ValueError`` for a ``linears`` not in :data:`LINEAR_FORMS`.
     """
+    if linears not in LINEAR_FORMS:
+        raise ValueError(f"linears must be one of {LINEAR_FORMS}, got {linears!r}")
     if "layer_groups" in params:
         return params
+    if linears == "auto":
+        linears = "stored" if on_gpu() else "bf16"
     plan = LayerPlan.from_config(cfg)
-    layers = [_prepare_layer(lp) for lp in params["layers"]]
+    layers = [_prepare_layer(lp, linears) for lp in params["layers"]]
     groups = []
     for g in plan.groups:
         runs = []
@@ -171,7 +215,7 @@ def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, ls: st.LayerSt
     xf = rms_norm(mhc.hc_pre(X, a_pre), p["ffn_norm"]["weight"], cfg.norm_eps)
     B, S, D = xf.shape
     im = None if image_mask is None else image_mask.reshape(B * S)
-    y2, eidx, ew = moe(xf.reshape(B * S, D), p["ffn"], cfg, im)
+    y2, eidx, ew = moe(xf.reshape(B * S, D), p["ffn"], cfg, im, impl=ch.moe_impl)
     y2 = y2.reshape(B, S, D)
     X = mhc.hc_post(y2, X, f_post, f_comb)
     if record is not None:
@@ -183,6 +227,30 @@ def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, ls: st.LayerSt
 def _stack(trees, shape):
     """Stack a flat list of equal pytrees into leading axes ``shape``."""
     return jax.tree.map(lambda *a: jnp.stack(a).reshape(*shape, *a[0].shape), *trees)
+
+
+def _pin_stacked(tree):
+    """``(scanned, pinned)``: a stacked parameter tree split into what a scan slices per layer
+    and the stored-form FP8 linears (``{"fp8": ...}``, routed experts aside), which stay
+    whole: the body hands them on with the layer's index in the stack (``"at"``), so a
+    decode step's GEMV reads the weight in place instead of a sliced copy
+    (:func:`dsv41_jax.layers.linear.linear`)."""
+    if isinstance(tree, dict):
+        if "fp8" in tree:
+            return None, tree
+        pairs = {k: (v, None) if k == "experts" else _pin_stacked(v) for k, v in tree.items()}
+        return {k: a for k, (a, _) in pairs.items()}, {k: b for k, (_, b) in pairs.items()}
+    return tree, None
+
+
+def _unpin(scanned, pinned, at):
+    """This layer's parameters: ``scanned`` (sliced by the scan) with the pinned linears put
+    back as their whole stacks and ``at`` (int32: the layer's index in the flattened stack)."""
+    if pinned is None:
+        return scanned
+    if "fp8" in pinned:
+        return {**pinned, "at": at}
+    return {k: _unpin(scanned[k], pinned[k], at) for k in scanned}
 
 
 def _unstack(tree, n):
@@ -232,35 +300,39 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
             skip_kv_update=skip and role.owns_kv, record=rec)
         return X, pre_mix, ls, bus, rec
 
+    scanned_p, pinned_p = zip(*[_pin_stacked(rp) for rp in runs_p])
+
     def unit(carry, xs):
         X, pre_mix, bus = carry
-        p_runs, w_runs, src = xs
+        p_runs, w_runs, src, u = xs
         src = ext_src if src is None else src
         new_w, recs = [], []
         for r, ((start, length), role) in enumerate(zip(g.runs, roles)):
             if length == 1:
                 ls = st.LayerState(window=jax.tree.map(lambda a: a[0], w_runs[r]), source=src,
                                    stale_index=stale[0], stale_index_scale=stale[1])
-                X, pre_mix, ls, bus, rec = layer(jax.tree.map(lambda a: a[0], p_runs[r]), X,
-                                                 pre_mix, role, ls, bus)
+                p = _unpin(jax.tree.map(lambda a: a[0], p_runs[r]), pinned_p[r], u)
+                X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus)
                 if role.owns_kv:
                     src = ls.source
                 new_w.append(jax.tree.map(lambda a: a[None], ls.window))
                 recs.append(jax.tree.map(lambda a: a[None], rec))
             else:
-                def inner(c, xs2, role=role, src=src):
+                def inner(c, xs2, role=role, src=src, r=r, length=length):
                     X, pre_mix, bus = c
-                    p, w = xs2
+                    p, w, j = xs2
                     ls = st.LayerState(window=w, source=src)
+                    p = _unpin(p, pinned_p[r], u * length + j)
                     X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus)
                     return (X, pre_mix, bus), (ls.window, rec)
-                (X, pre_mix, bus), (w, rec) = jax.lax.scan(inner, (X, pre_mix, bus),
-                                                           (p_runs[r], w_runs[r]))
+                (X, pre_mix, bus), (w, rec) = jax.lax.scan(
+                    inner, (X, pre_mix, bus),
+                    (p_runs[r], w_runs[r], jnp.arange(length, dtype=jnp.int32)))
                 new_w.append(w)
                 recs.append(rec)
         return (X, pre_mix, bus), (tuple(new_w), src if owns else None, recs)
 
-    xs = (runs_p, windows, own_src)
+    xs = (tuple(scanned_p), windows, own_src, jnp.arange(U, dtype=jnp.int32))
     if U == 1:
         carry, ys = unit((X, pre_mix, bus), jax.tree.map(lambda a: a[0], xs))
         ys = jax.tree.map(lambda a: a[None], ys)
@@ -325,15 +397,22 @@ def kernel_impls(cfg: ModelConfig, attn_impl: str, *, backend: str | None = None
             select_impl_for_family(attn_impl, backend))
 
 
+def _check_moe_impl(moe_impl: str) -> str:
+    if moe_impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+    return moe_impl
+
+
 def make_chunk(cfg: ModelConfig, *, positions, valid, p0, n, win_lo, decode: bool, compat,
                attn_impl: str = "xla", win_width: int = 0, index_impl: str = "xla",
-               select_impl: str = "xla") -> Chunk:
+               select_impl: str = "xla", moe_impl: str = "dense") -> Chunk:
     """The :class:`~dsv41_jax.layers.attention.Chunk` of a forward, with the config's RoPE
     frequency tables."""
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
     return Chunk(positions=positions, valid=valid, p0=p0, n=n, win_lo=win_lo,
                  compat_stale_index_k=compat, freqs=freqs, decode=decode, attn_impl=attn_impl,
-                 win_width=win_width, index_impl=index_impl, select_impl=select_impl)
+                 win_width=win_width, index_impl=index_impl, select_impl=select_impl,
+                 moe_impl=moe_impl)
 
 
 def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
@@ -375,7 +454,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     extras, state = _engram_extras(params, cfg, tokens, positions, n, state, token_mask)
     extras["image_mask"] = image_mask
     kinds = dict(attn_impl=static.attn_impl, index_impl=static.index_impl,
-                 select_impl=static.select_impl)
+                 select_impl=static.select_impl, moe_impl=static.moe_impl)
     # replay_len is min(W, S) on a fresh prefill, else W: the reference's window-list width
     ch = make_chunk(cfg, positions=positions, valid=valid, p0=p0, n=n,
                     win_lo=jnp.zeros_like(p0), decode=decode, compat=compat,
@@ -540,7 +619,7 @@ def _check_capacity(cfg, state, new: np.ndarray):
 def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str = "ced",
             compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
             collect: bool = False, all_logits: bool = False, batch_invariant: bool = False,
-            attn_impl: str = "auto"):
+            attn_impl: str = "auto", moe_impl: str = "dense"):
     """Prefill a chunk of tokens per row, continuing from ``state``.
 
     Args:
@@ -560,13 +639,19 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         ``"tpu"`` (and their ``*_interpret`` variants) force one. The indexer scores
         and top-k follow the family too (:func:`pallas_kernels.indexer.impl_for_family`,
         :func:`~pallas_kernels.indexer.select_impl_for_family`).
+      moe_impl: how a call with at least as many (token, expert) pairs as experts runs the
+        routed experts: ``"dense"`` (a scan over every expert, the reference's order bit for
+        bit; the default) or ``"routed"`` (grouped matmuls over the routed pairs only,
+        ``lax.ragged_dot``; docs/architecture.md, "Mixture of experts"). Smaller calls
+        gather their experts either way.
 
     Returns ``(out, state)``: a :class:`StepOutput` (``out.logits`` fp32 [B, V] at each row's
     last token) and the new :class:`~dsv41_jax.state.InferenceState`.
 
     Raises:
       ValueError: empty prompt, token id outside [0, vocab), lengths not matching the batch or
-        outside [1, S], state capacity exceeded, unknown mode or attn_impl, ``image_mask`` not
+        outside [1, S], state capacity exceeded, unknown mode, attn_impl or moe_impl,
+        ``image_mask`` not
         bool [B, S], ``embeds_override`` not bf16 [B, S, dim], or only one of the two given.
         The state is then untouched.
     """
@@ -590,7 +675,8 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     pos = host_positions(state)
     fresh = not pos.any()
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
-    static = Static(cfg, collect, batch_invariant, *kernel_impls(cfg, attn_impl))
+    static = Static(cfg, collect, batch_invariant, *kernel_impls(cfg, attn_impl),
+                    moe_impl=_check_moe_impl(moe_impl))
     params = prepare_params(params, cfg)
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
     out, state = _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override,
@@ -600,10 +686,11 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
 
 
 def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k: bool = False,
-                collect: bool = False, batch_invariant: bool = False, attn_impl: str = "auto"):
+                collect: bool = False, batch_invariant: bool = False, attn_impl: str = "auto",
+                moe_impl: str = "dense"):
     """One token per row through all layers.
 
-    Args: ``tokens`` int [B]; ``attn_impl`` as in :func:`prefill`. Returns
+    Args: ``tokens`` int [B]; ``attn_impl``, ``moe_impl`` as in :func:`prefill`. Returns
     ``(logits fp32 [B, V], state)`` (the state is donated). Raises ``ValueError`` for a token
     outside [0, vocab), a batch mismatch, a full state or an unknown attn_impl.
 
@@ -619,7 +706,7 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
         raise ValueError(f"tokens must have shape [{B}] (one per row), got {tokens.shape}")
     _check_tokens(cfg, tokens)
     _check_capacity(cfg, state, np.ones((B,), np.int32))
-    static = Static(cfg, collect, batch_invariant, *impls)
+    static = Static(cfg, collect, batch_invariant, *impls, moe_impl=_check_moe_impl(moe_impl))
     params = prepare_params(params, cfg)
     pos = host_positions(state)
     out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
@@ -634,7 +721,7 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
 
 def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
             compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
-            return_state: bool = False, attn_impl: str = "auto"):
+            return_state: bool = False, attn_impl: str = "auto", moe_impl: str = "dense"):
     """Every position through every layer (the reference's semantics; the oracle).
 
     Returns a :class:`StepOutput` with ``all_logits`` fp32 [B, S, V] and ``final_hidden``
@@ -650,17 +737,18 @@ def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
     out, state = prefill(params, cfg, tokens, state, mode="exact", collect=collect,
                          compat_stale_index_k=compat_stale_index_k,
                          embeds_override=embeds_override, image_mask=image_mask, all_logits=True,
-                         attn_impl=attn_impl)
+                         attn_impl=attn_impl, moe_impl=moe_impl)
     return (out, state) if return_state else out
 
 
 def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
-              backend: str | None = None):
+              backend: str | None = None, moe_impl: str = "dense"):
     """A pure, traceable decode step ``step(params, state, tokens int32 [B]) -> (logits fp32
     [B, V], state)`` for use inside ``jax.jit`` / ``lax.while_loop`` (no host checks: the caller
     checks the state capacity and the token ids). Raises ``ValueError`` for an unknown
-    ``attn_impl``."""
-    static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl, backend=backend))
+    ``attn_impl`` or ``moe_impl``."""
+    static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl, backend=backend),
+                    moe_impl=_check_moe_impl(moe_impl))
     compat = jnp.asarray(compat_stale_index_k)
 
     def step(params, state, tokens):

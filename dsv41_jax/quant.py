@@ -25,6 +25,7 @@ from pallas_kernels.fp4.reference import (_E2M1_BOUNDS, BF16, E2M1_LUT, E2M1_VAL
                                           _e2m1_code, _pow2_ceil_exponent, e2m1_decode,
                                           e8m0_to_f32, fp4_dequantize, fp4_quantize,
                                           fp4_scale_to_f32, pack_nibbles, unpack_nibbles)
+from pallas_kernels.fp4.common import exp2_int
 
 
 # ----------------------------------------------------------------------------- FP8
@@ -39,7 +40,7 @@ def fp8_quantize(x: Float[ArrayLike, "... K"], block: int = 32) -> tuple[jax.Arr
     xb = _blocks(jnp.asarray(x, F32), block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
     e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
-    s = jnp.ldexp(jnp.ones_like(amax), e)
+    s = exp2_int(e)
     q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(E4M3)
     return q.reshape(x.shape), (e[..., 0] + 127).astype(jnp.uint8)
 
@@ -75,7 +76,7 @@ def fp4_qdq(x: Float[Array, "... K"], block: int, scale_fmt: str) -> Float[Array
 # ----------------------------------------------------------------------------- weights
 
 
-def dequant_fp8_weight(w: jax.Array, scale: UInt8[Array, "Go Gi"], block: int = 32,
+def dequant_fp8_weight(w: jax.Array, scale: UInt8[Array, "*batch Go Gi"], block: int = 32,
                        dtype=BF16) -> jax.Array:
     """FP8 weight ``[out, in]`` with one E8M0 scale per ``block x block`` tile -> ``dtype``.
 

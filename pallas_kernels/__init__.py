@@ -1,5 +1,5 @@
 """Pallas kernels of dsv41-jax: CSA2 sparse attention, the lightning indexer's scores and top-k,
-and the FP4 codec.
+the FP4 codec, and the FP8 stacked GEMV of a decode step's linears.
 
 A leaf package: it imports nothing from the model package. Each op package holds its shared
 primitives (``common.py``), its pure-jnp references (``reference.py``), the kernels in their

@@ -47,7 +47,8 @@ def test_decode_bytes_hand_count(tiny):
     assert e2e.decode_bytes_parts(tiny, 1, 20)["experts"] == 6 * 2 * 3 * 2176
     assert parts["head"] == 512 * 64 * 4 and parts["embed_rows"] == 2 * 64 * 2
     g = bench_config.param_bytes_by_group(tiny)
-    assert parts["dense"] == g["dense"] and parts["engram_rows"] == 0
+    wo_a = 6 * (128 * 128 * 2 - (128 * 128 + 4 * 4))   # [2 x 64, 4 x 64 / 2]: bf16 -> FP8
+    assert parts["dense"] == g["dense"] - wo_a and parts["engram_rows"] == 0
     assert e2e.decode_bytes(tiny, 2, 20) == sum(v for k, v in parts.items() if k != "total")
     # early context: fewer entries than the window and the top-k
     early = e2e.decode_bytes_parts(tiny, 1, 3)["kv"]

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=positive_int, default=1, help="rows (default 1)")
     ap.add_argument("--steps", type=positive_int, default=20, help="timed steps (default 20)")
     ap.add_argument("--top", type=positive_int, default=12, help="kernels printed (default 12)")
+    ap.add_argument("--linears", choices=model.LINEAR_FORMS, default="auto",
+                    help="form of the FP8 linears and FP4 experts (model.prepare_params; "
+                         "default auto: stored on a GPU, bf16 elsewhere)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap
 
@@ -104,10 +107,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     name = "tiny" if args.tiny else args.config
     cfg, _ = e2e_config(name)
-    params = model.prepare_params(random_params_device(cfg, 0), cfg)
+    params = model.prepare_params(random_params_device(cfg, 0), cfg, args.linears)
     jax.block_until_ready(params)
     roof = roofline(1, copy_bytes=1 << 20, matmul_n=256) if args.tiny else roofline(3)
     res = {"device": str(jax.devices()[0].device_kind), "config": name,
+           "linears": args.linears,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "roofline": roof, "rows": []}
     for ctx in args.contexts:
         r = profile_context(params, cfg, ctx, args.batch, max(args.steps, 2), args.top)

@@ -21,7 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dsv41_jax import quant, state as st
 from dsv41_jax.config import LayerRole, ModelConfig
 from dsv41_jax.layers import compressor, indexer
-from dsv41_jax.layers.linear import dequant_weight, linear, rms_norm
+from dsv41_jax.layers.linear import grouped_linear, linear, rms_norm
 from dsv41_jax.layers.rope import apply_rope, rope_angles
 from dsv41_jax.dtypes import BF16, F32
 from pallas_kernels import fp4
@@ -33,7 +33,7 @@ from pallas_kernels.sparse_attention import sparse_attention as sparse_attention
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["positions", "valid", "p0", "n", "win_lo", "compat_stale_index_k", "freqs"],
-    meta_fields=["decode", "attn_impl", "win_width", "index_impl", "select_impl"])
+    meta_fields=["decode", "attn_impl", "win_width", "index_impl", "select_impl", "moe_impl"])
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Chunk:
     """Positions of one forward over a chunk (arrays per batch row) and the static choices of
@@ -52,6 +52,7 @@ class Chunk:
     win_width: int = 0             # prefill window-list width (0: W); min(S, W) on a fresh prefill
     index_impl: str = "xla"        # indexer scores kernel family (pallas_kernels.impls)
     select_impl: str = "xla"       # indexer top-k kernel family (pallas_kernels.impls)
+    moe_impl: str = "dense"        # routed experts of a large call (layers.moe.MOE_IMPLS)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["topk", "candidates"],
@@ -205,9 +206,7 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     # output (docs/architecture.md, "Output projection"): inverse RoPE, grouped wo_a, wo_b
     o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
     G = cfg.o_groups
-    wo_a = dequant_weight(p["wo_a"], BF16).reshape(G, cfg.o_lora_rank, -1)
-    u = jnp.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1), wo_a,
-                   preferred_element_type=F32).astype(BF16)
+    u = grouped_linear(o.reshape(B, S, G, -1), p["wo_a"])
     out = linear(u.reshape(B, S, -1), p["wo_b"])
     ls = ls.replace(window=st.write_ring(ring, kv_codes, kv_scale, ch.p0, ch.n))
     return out, ls, bus

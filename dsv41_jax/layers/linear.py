@@ -9,8 +9,16 @@ and dequantised on use (docs/architecture.md, "Quantised linears"):
 * ``bfloat16`` weight: plain ``x @ W.T`` with fp32 accumulation, bf16 out (no act-quant).
 * ``float32`` weight: plain fp32 GEMM (the input is cast to fp32).
 * ``{"dq": bf16 [out, in]}``: an FP8 linear dequantised once at load time
-  (:func:`dsv41_jax.model.prepare_params`): the input is still FP8 act-quantised, so the result
-  is the FP8 linear's.
+  (:func:`dsv41_jax.model.prepare_params`, ``linears="bf16"``): the input is still FP8
+  act-quantised, so the result is the FP8 linear's.
+* ``{"fp8": W, "scale": S}`` / ``{"fp4": W, "scale": S}``: an FP8 linear / FP4 expert kept in
+  its stored format (``prepare_params(..., linears="stored")``, the GPU default). Inside a
+  scanned layer group an FP8 one comes whole with its layer's index in the stack (``"at"``);
+  on a GPU a call of at most 16 rows reads that layer's tiles in place with the FP8 stacked
+  GEMV kernel (:mod:`pallas_kernels.gemv`), where a GEMM would read a sliced copy. Otherwise a
+  call of at most :data:`SMALL_ROWS` rows is one fused dequantise-multiply-reduce on the
+  stored bytes, and a larger one dequantises and runs the GEMM. The products are exact in
+  fp32, so only the summation order differs from the other forms.
 
 Because fp8/fp4 values times a power of two are exact in bf16, ``dot(QDQ(x), dequant(W))``
 reproduces the reference up to summation order inside a 32-block.
@@ -18,19 +26,29 @@ reproduces the reference up to summation order inside a 32-block.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from dsv41_jax import quant
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
+from pallas_kernels import gemv
+from pallas_kernels.fp4.common import exp2_int
+from pallas_kernels.impls import on_gpu
+
+
+# Calls of at most this many rows run as a fused multiply-reduce on a weight kept in its
+# stored format (``{"fp8": ...}`` / ``{"fp4": ...}``).
+SMALL_ROWS = 4
 
 
 def dequant_weight(p: dict, dtype=BF16) -> jax.Array:
     """The weight of a linear parameter dict as ``dtype`` ``[..., out, in]``."""
     if "dq" in p:
         return p["dq"].astype(dtype)
-    w = p["weight"]
+    w = p.get("weight", p.get("fp8", p.get("fp4")))
     if w.dtype == jnp.float8_e4m3fn:
         return quant.dequant_fp8_weight(w, p["scale"], 32, dtype)
     if w.dtype == jnp.uint8:
@@ -40,7 +58,61 @@ def dequant_weight(p: dict, dtype=BF16) -> jax.Array:
 
 def is_quantized(p: dict) -> bool:
     """Whether the linear quantises its input (an FP8 or FP4 weight, stored or prepared)."""
-    return "dq" in p or p["weight"].dtype in (jnp.float8_e4m3fn, jnp.uint8)
+    return any(k in p for k in ("dq", "fp8", "fp4")) or p["weight"].dtype in (
+        jnp.float8_e4m3fn, jnp.uint8)
+
+
+def _rows(x: jax.Array) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def _e2m1_value(code: jax.Array) -> jax.Array:
+    """e2m1 nibble (uint8 0..15) -> fp32, by arithmetic (fuses where a table lookup may not):
+    ``(-1)^s * (e ? 2^(e-1) * (1 + m/2) : m/2)``."""
+    c = code.astype(jnp.int32)
+    e, m = (c >> 1) & 3, (c & 1).astype(F32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * exp2_int(e - 1))
+    return jnp.where(c >= 8, -mag, mag)
+
+
+def _in_stack(p: dict) -> dict:
+    """A stored-form FP8 linear handed on whole out of a scanned stack (``"at"``: the layer's
+    index in the flattened stack, :func:`dsv41_jax.model._run_group`) -> that layer's."""
+    if "at" not in p:
+        return p
+    w, s = p["fp8"], p["scale"]
+    w, s = w.reshape(-1, *w.shape[-2:]), s.reshape(-1, *s.shape[-2:])
+    return {"fp8": jax.lax.dynamic_index_in_dim(w, p["at"], 0, keepdims=False),
+            "scale": jax.lax.dynamic_index_in_dim(s, p["at"], 0, keepdims=False)}
+
+
+def _stack_gemv(x: jax.Array, p: dict) -> jax.Array | None:
+    """fp32 ``x [..., G, K] @ W[at].T`` by the GPU kernel that reads the weight in place in its
+    stack (:func:`pallas_kernels.gemv.fp8_gemv`), or None where it does not apply (no stack,
+    not a GPU, shapes it does not take)."""
+    if "at" not in p or not on_gpu():
+        return None
+    w, s = p["fp8"], p["scale"]
+    w, s = w.reshape(-1, *w.shape[-2:]), s.reshape(-1, *s.shape[-2:])
+    x3 = x.reshape(-1, *x.shape[-2:])
+    if not gemv.kernel_fits(x3.shape, w.shape):
+        return None
+    y = gemv.fp8_gemv(x3, w, s, p["at"], impl="gpu")
+    return y.reshape(*x.shape[:-2], -1)
+
+
+def _small_rows_matmul(x: jax.Array, p: dict) -> jax.Array:
+    """fp32 ``x @ W.T`` of a stored-format weight as one multiply-reduce over ``in`` (``x``
+    already quantised, its values exact in bf16)."""
+    xf = x.astype(F32)
+    if "fp8" in p:
+        w = quant.dequant_fp8_weight(p["fp8"], p["scale"], 32, F32)
+        return jnp.sum(xf[..., None, :] * w, axis=-1)
+    packed = p["fp4"]                                   # [out, in/2]: x[2j] low, x[2j+1] high
+    s = jnp.repeat(quant.e8m0_to_f32(p["scale"]), 16, axis=-1)
+    lo, hi = _e2m1_value(packed & 0x0F) * s, _e2m1_value(packed >> 4) * s
+    return (jnp.sum(xf[..., None, 0::2] * lo, axis=-1)
+            + jnp.sum(xf[..., None, 1::2] * hi, axis=-1))
 
 
 def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
@@ -55,9 +127,33 @@ def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
                           preferred_element_type=F32)
     if is_quantized(p):
         x = quant.act_quant_qdq(x, 32)
+    y = _stack_gemv(x[..., None, :], p)
+    if y is not None:
+        return y.astype(BF16)
+    p = _in_stack(p)
+    if ("fp8" in p or "fp4" in p) and _rows(x) <= SMALL_ROWS:
+        return _small_rows_matmul(x, p).astype(BF16)
     wb = dequant_weight(p, BF16)
     y = jnp.einsum("...i,oi->...o", x.astype(BF16), wb, preferred_element_type=F32)
     return y.astype(BF16)
+
+
+def grouped_linear(x: Float[Array, "... G I"], p: dict) -> Float[Array, "... G O"]:
+    """Block-diagonal linear: group ``g`` of ``x`` times rows ``[g*O, (g+1)*O)`` of the
+    weight (``[G*O, I]``), fp32 accumulation, bf16 out, no activation quantisation (the
+    grouped output projection, docs/architecture.md, "Output projection")."""
+    G = x.shape[-2]
+    y = _stack_gemv(x, p)
+    if y is not None:
+        return y.reshape(*x.shape[:-1], -1).astype(BF16)
+    p = _in_stack(p)
+    if "fp8" in p and _rows(x) // G <= SMALL_ROWS:
+        w = quant.dequant_fp8_weight(p["fp8"], p["scale"], 32, F32)
+        w = w.reshape(G, -1, w.shape[-1])
+        return jnp.sum(x.astype(F32)[..., None, :] * w, axis=-1).astype(BF16)
+    w = dequant_weight(p, BF16)
+    w = w.reshape(G, -1, w.shape[-1])
+    return jnp.einsum("...gd,grd->...gr", x, w, preferred_element_type=F32).astype(BF16)
 
 
 def rms_norm(x: Float[Array, "... D"], w: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:

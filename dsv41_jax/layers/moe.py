@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.layers.linear import linear
+from dsv41_jax import quant
+from dsv41_jax.layers.linear import dequant_weight, is_quantized, linear
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
 
 
@@ -87,23 +88,80 @@ def _routed_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"
     return acc
 
 
+def _expert_weights_in_out(pe: dict) -> jax.Array:
+    """Stacked expert weights ``[E, out, in]`` (any stored or prepared form) -> bf16
+    ``[E, in, out]``, the right-hand side of a grouped matmul (exact)."""
+    return jnp.swapaxes(dequant_weight(pe, BF16), -1, -2)
+
+
+def _grouped_linear(x: Float[Array, "P I"], pe: dict, group_sizes: Int[Array, "E"]
+                    ) -> Float[Array, "P O"]:
+    """Rows sorted by expert times their expert's weight, as :func:`linear` would for each row
+    (FP8 act-quant for a quantised weight, fp32 accumulation, bf16 out): one grouped matmul
+    (``lax.ragged_dot``) over the stacked experts."""
+    if is_quantized(pe):
+        x = quant.act_quant_qdq(x, 32)
+    y = jax.lax.ragged_dot(x.astype(BF16), _expert_weights_in_out(pe), group_sizes,
+                           preferred_element_type=F32)
+    return y.astype(BF16)
+
+
+def _grouped_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
+                     w: Float[Array, "N k"], limit: float) -> Float[Array, "N D"]:
+    """The routed experts as grouped matmuls over the (token, expert) pairs only: the pairs
+    sorted by expert id (stable), one grouped matmul per expert projection, the outputs put
+    back per token and summed in fp32 in increasing expert id (the reference's order; within
+    one product only the summation order may differ from :func:`expert`)."""
+    N, k = idx.shape
+    E = jax.tree.leaves(experts)[0].shape[0]
+    flat_e = idx.reshape(-1)
+    perm = jnp.argsort(flat_e, stable=True)                      # pairs sorted by expert
+    group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    xs = x[perm // k]                                            # [P, D] the pairs' tokens
+    ws = w.reshape(-1)[perm]
+    g = _grouped_linear(xs, experts["w1"], group_sizes).astype(F32)
+    up = _grouped_linear(xs, experts["w3"], group_sizes).astype(F32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        g = jnp.minimum(g, limit)
+    a = (jax.nn.silu(g) * up * ws[:, None]).astype(BF16)
+    ys = _grouped_linear(a, experts["w2"], group_sizes)          # bf16 [P, D], sorted
+    y = jnp.zeros_like(ys).at[perm].set(ys).reshape(N, k, -1)    # back in top-k order
+    y = jnp.take_along_axis(y, jnp.argsort(idx, axis=-1)[..., None], axis=1)
+    acc = jnp.zeros(x.shape, F32)
+    for j in range(k):
+        acc = acc + y[:, j].astype(F32)
+    return acc
+
+
+MOE_IMPLS = ("dense", "routed")
+
+
 def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
-        n_active: int | None = None) -> tuple[Float[Array, "N D"], Int[Array, "N k"], Float[Array, "N k"]]:
+        n_active: int | None = None, impl: str = "dense"
+        ) -> tuple[Float[Array, "N D"], Int[Array, "N k"], Float[Array, "N k"]]:
     """MoE sublayer on flattened tokens: ``(bf16 output, expert ids, routing weights)``.
 
     When the tokens route to fewer (token, expert) pairs than there are experts
     (``N * k < E``, e.g. a decode step of a small batch), each token runs only its ``k``
-    experts, their packed weights gathered; otherwise the routed experts run densely over the
-    stacked expert axis (a ``lax.scan`` in increasing expert id, non-routed tokens carry weight
-    0 and contribute an exact 0). Both reproduce the reference's fp32 accumulation order
-    (increasing expert id, the shared expert last, one bf16 rounding) bit for bit. See
+    experts, their packed weights gathered; otherwise ``impl`` decides: ``"dense"`` runs the
+    routed experts densely over the stacked expert axis (a ``lax.scan`` in increasing expert
+    id, non-routed tokens carry weight 0 and contribute an exact 0), ``"routed"`` runs grouped
+    matmuls over the (token, expert) pairs only (:func:`_grouped_experts`). All reproduce the
+    reference's fp32 accumulation order (increasing expert id, the shared expert last, one
+    bf16 rounding); the gathered and dense paths bit for bit, the routed one up to the
+    summation order inside each product. Raises ``ValueError`` for an unknown ``impl``. See
     docs/architecture.md, "Mixture of experts".
     """
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
     k = n_active or cfg.n_activated_experts
     idx, w = gate(x, p["gate"], cfg, image_mask, k)
     n_exp = p["gate"]["weight"].shape[0]
     if x.shape[0] * k < n_exp:
         acc = _routed_experts(x, p["experts"], idx, w, cfg.swiglu_limit)
+    elif impl == "routed":
+        acc = _grouped_experts(x, p["experts"], idx, w, cfg.swiglu_limit)
     else:
         dense_w = jnp.zeros((x.shape[0], n_exp), F32).at[
             jnp.arange(x.shape[0])[:, None], idx].add(w)

@@ -139,6 +139,15 @@ def e8m0_scale(amax_bits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return byte, s
 
 
+def exp2_int(e: jax.Array) -> jax.Array:
+    """``2.0 ** e`` in fp32 for int32 ``e``, bit for bit ``jnp.ldexp(1.0, e)`` under XLA
+    (+inf above 127; zero below -126, XLA flushing subnormals), built from bits alone: four
+    operations where ``ldexp`` traces to dozens, which matters to compile time at every
+    quantiser."""
+    e = e.astype(I32)
+    return _f32(jnp.where(e < -126, 0, (jnp.minimum(e, 128) + 127) << 23))
+
+
 def scale_from_amax(amax_bits: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
     """``(scale byte int32, scale fp32)`` of a block from its amax bits (see the two above)."""
     return e4m3_scale(amax_bits) if fmt == "main" else e8m0_scale(amax_bits)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, UInt8
 
-from pallas_kernels.fp4.common import E2M1_BOUNDS, F32
+from pallas_kernels.fp4.common import E2M1_BOUNDS, F32, exp2_int
 
 BF16 = jnp.bfloat16
 E4M3 = jnp.float8_e4m3fn
@@ -32,7 +32,7 @@ E2M1_LUT = np.concatenate([E2M1_VALUES, -E2M1_VALUES])  # code -> value (code 8 
 
 def e8m0_to_f32(u: UInt8[Array, "..."]) -> Float[Array, "..."]:
     """E8M0 scale byte ``u`` -> ``2**(u - 127)`` in fp32 (byte 255: +inf)."""
-    return jnp.ldexp(jnp.ones(u.shape, F32), u.astype(jnp.int32) - 127)
+    return exp2_int(u.astype(jnp.int32) - 127)
 
 
 def _pow2_ceil_exponent(t: Float[Array, "..."]) -> jax.Array:
@@ -98,7 +98,7 @@ def fp4_quantize(x: Float[ArrayLike, "... K"], block: int, scale_fmt: str
     if scale_fmt == "e8m0":
         amax = jnp.maximum(amax, np.float32(6.0 * 2.0 ** -126))
         e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP4_MAX))
-        s = jnp.where(nan, np.float32(np.nan), jnp.ldexp(jnp.ones_like(amax), e))
+        s = jnp.where(nan, np.float32(np.nan), exp2_int(e))
         s_store = jnp.where(nan[..., 0], E8M0_NAN, e[..., 0] + 127).astype(jnp.uint8)
     elif scale_fmt == "e4m3":
         amax = jnp.maximum(amax, np.float32(6.0 * 2.0 ** -9))

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt8
 
+from pallas_kernels.fp4.common import exp2_int
 from pallas_kernels.sparse_attention.common import (BF16, E2M1_LUT, F32, SOFTMAX_BLOCK,
                                                     lse_with_sink, pad_list)
 
@@ -86,7 +87,7 @@ def dequant_window(codes: jax.Array, scale: UInt8[Array, "... G"]) -> Float[Arra
     """FP8 window rows (e4m3 codes + E8M0 per 32) -> bf16 (exact)."""
     k = codes.shape[-1]
     v = codes.astype(F32).reshape(*codes.shape[:-1], k // 32, 32)
-    s = jnp.ldexp(jnp.ones(scale.shape, F32), scale.astype(jnp.int32) - 127)
+    s = exp2_int(scale.astype(jnp.int32) - 127)
     return (v * s[..., None]).reshape(codes.shape).astype(BF16)
 
 

@@ -1,0 +1,53 @@
+"""FP8 stacked GEMV: a few rows times one layer's block-scaled FP8 weight, read in place out of
+the stack of every layer's weights (docs/architecture.md, "Quantised linears").
+
+``fp8_gemv(x [M, G, K] bf16, w [L, N, K] float8_e4m3fn, scale [L, ceil(N/32), ceil(K/32)]
+uint8, layer int32) -> fp32 [M, N]``: ``y[m, n] = sum_k x[m, g(n), k] * W[layer][n, k] *
+2**(scale - 127)`` with ``g(n) = n // (N / G)``. The products are exact in fp32 (the input an
+FP8 QDQ activation or bf16, the weight FP8 times a power of two), so implementations differ
+only in summation order.
+
+Why: inside a ``lax.scan`` over stacked layers, XLA copies each layer's weight out of the
+stack before a GEMM reads it; a decode step (a few rows) reads every weight once, so that copy
+doubles or triples its traffic. The kernel reads the stack where it lies.
+
+Implementations (``impl``, :mod:`pallas_kernels.impls`): ``"xla"`` (:mod:`.reference`),
+``"gpu"`` (:mod:`.triton`), ``"gpu_interpret"``, ``"auto"`` (``"gpu"`` on an NVIDIA GPU where
+the shapes fit: at most 16 rows, ``N`` a multiple of 32 and of ``32 * G``, ``K`` of 32, the
+stack under 2**31 bytes; ``"xla"`` otherwise).
+"""
+
+from __future__ import annotations
+
+import jax
+from jaxtyping import Array, BFloat16, Float, Int, UInt8
+
+from pallas_kernels import impls
+from pallas_kernels.gemv import reference, triton
+
+__all__ = ["fp8_gemv", "kernel_fits", "MAX_ROWS"]
+
+MAX_ROWS = triton.ROWS
+
+
+def kernel_fits(x_shape: tuple, w_shape: tuple) -> bool:
+    """Whether the GPU kernel takes these shapes (see the module docstring)."""
+    M, G, K = x_shape
+    L, N, Kw = w_shape
+    return (M <= MAX_ROWS and K == Kw and N % (32 * G) == 0 and (N // G) % 32 == 0
+            and K % 32 == 0 and L * N * K < 2 ** 31)
+
+
+def fp8_gemv(x: BFloat16[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
+             layer: Int[Array, ""], *, impl: str = "auto", **tuning) -> Float[Array, "M N"]:
+    """See the module docstring. ``tuning``: ``block_k``, ``k_splits``, ``num_warps``,
+    ``num_stages`` of the GPU kernel. Raises ``ValueError`` for an unknown ``impl`` or, with
+    ``impl="gpu"``, shapes the kernel does not take."""
+    impl = impls.check_family(impl)
+    if impl == "auto":
+        impl = "gpu" if impls.on_gpu() and kernel_fits(x.shape, w.shape) else "xla"
+    if impl in ("xla", "tpu", "tpu_interpret"):
+        return reference.fp8_gemv(x, w, scale, layer)
+    if not kernel_fits(x.shape, w.shape):
+        raise ValueError(f"fp8_gemv: the GPU kernel does not take x {x.shape} with w {w.shape}")
+    return triton.fp8_gemv(x, w, scale, layer, interpret=impls.interpret(impl), **tuning)

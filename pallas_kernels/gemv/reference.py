@@ -1,0 +1,35 @@
+"""Pure-jnp reference of the FP8 stacked GEMV (:mod:`pallas_kernels.gemv`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, BFloat16, Float, Int, UInt8
+
+from pallas_kernels.fp4.common import exp2_int
+
+F32 = jnp.float32
+
+
+def dequant_layer(w: jax.Array, scale: UInt8[Array, "L Go Gi"], layer) -> Float[Array, "N K"]:
+    """Layer ``layer`` of a stack of FP8 weights ``[L, N, K]`` with one E8M0 scale per 32 x 32
+    tile -> fp32 (exact)."""
+    wl = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(F32)
+    sl = exp2_int(jax.lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False)
+                  .astype(jnp.int32) - 127)
+    N, K = wl.shape
+    sl = jnp.repeat(jnp.repeat(sl, 32, axis=0), 32, axis=1)[:N, :K]
+    return wl * sl
+
+
+def fp8_gemv(x: BFloat16[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
+             layer: Int[Array, ""]) -> Float[Array, "M N"]:
+    """``y[m, n] = sum_k x[m, g(n), k] * W[layer][n, k]`` in fp32, where row ``n`` belongs to
+    group ``g(n) = n // (N / G)`` (``G = 1``: a plain linear; ``G > 1``: the block-diagonal
+    grouped projection)."""
+    wl = dequant_layer(w, scale, layer)
+    M, G, K = x.shape
+    wg = wl.reshape(G, -1, K)
+    y = jnp.einsum("mgk,gnk->mgn", x.astype(F32), wg, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=F32)
+    return y.reshape(M, -1)

@@ -1,0 +1,103 @@
+"""Pallas Triton (NVIDIA GPU) kernel of the FP8 stacked GEMV; see :mod:`pallas_kernels.gemv`.
+
+One program handles one block of 32 output rows (one row of E8M0 scale tiles) over one of
+``k_splits`` equal parts of the input dimension, in steps of ``block_k`` columns:
+
+* load the layer's FP8 tile ``[32, block_k]`` straight from the stacked weight (the layer index
+  is an operand: nothing is sliced out of the stack beforehand) and convert it to bf16 with
+  the hardware's converts (exact);
+* scale the input instead of the weight: the ``block_k / 32`` scales of this row block
+  multiply the input's columns (powers of two: exact in bf16, the input being FP8 QDQ values
+  or bf16), so the large tile is touched once;
+* accumulate ``x [16, block_k] @ W^T`` in fp32 on the tensor cores (the rows padded to 16).
+
+Partial sums ``[k_splits, 16, N]`` (fp32) are added by the wrapper. The input's group of a
+row block (``G > 1``, the grouped output projection) is ``row // (N / G)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+ROWS = 16          # input rows per call (tensor-core tile height)
+BLOCK_N = 32       # output rows per program: one row of 32 x 32 scale tiles
+TARGET_PROGRAMS = 1024
+
+
+def _repeat_columns(x, n: int):
+    """[R, C] -> [R, C * n], each column repeated n times (n a power of two), in registers."""
+    while n > 1:
+        x = jnp.stack([x, x], axis=-1).reshape(x.shape[0], -1)
+        n //= 2
+    return x
+
+
+def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, interpret):
+    nb, ks = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    g = (nb * BLOCK_N) // group_rows
+
+    def step(i, acc):
+        k0 = (ks * n_k + i) * block_k
+        w = w_ref[layer, pl.ds(nb * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)]
+        s = s_ref[layer, pl.ds(nb, 1), pl.ds(k0 // 32, block_k // 32)].astype(I32)
+        sf = jax.lax.bitcast_convert_type(s << 23, F32)          # E8M0 -> 2**(u - 127)
+        x = x_ref[:, g, pl.ds(k0, block_k)].astype(F32)
+        xs = (x * _repeat_columns(sf, 32)).astype(BF16)
+        wb = w.astype(F32 if interpret else BF16)
+        xs = xs.astype(F32) if interpret else xs
+        return acc + jax.lax.dot_general(xs, wb, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=F32)
+
+    o_ref[...] = jax.lax.fori_loop(0, n_k, step, jnp.zeros((ROWS, BLOCK_N), F32))
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = None):
+    """``(block_k, k_splits)``: the largest power of two <= 512 dividing K, and enough splits
+    of K for about :data:`TARGET_PROGRAMS` programs (a power of two dividing K / block_k)."""
+    if block_k is None:
+        block_k = _pow2_divisor(K, 512)
+    if block_k < 32 or K % block_k:
+        raise ValueError(f"block_k={block_k} must be a power of two >= 32 dividing K={K}")
+    n_kb = K // block_k
+    if k_splits is None:
+        k_splits = _pow2_divisor(n_kb, max(1, TARGET_PROGRAMS // max(1, N // BLOCK_N)))
+    if n_kb % k_splits:
+        raise ValueError(f"k_splits={k_splits} must divide K / block_k = {n_kb}")
+    return block_k, k_splits
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "k_splits", "num_warps", "num_stages",
+                                             "interpret"))
+def fp8_gemv(x, w, scale, layer, *, block_k=None, k_splits=None, num_warps=4, num_stages=3,
+             interpret=False):
+    """See :func:`pallas_kernels.gemv.fp8_gemv`; ``x`` bf16 [M <= 16, G, K]."""
+    M, G, K = x.shape
+    L, N, _ = w.shape
+    block_k, k_splits = config(N, K, block_k, k_splits)
+    n_k = K // block_k // k_splits
+    xp = jnp.zeros((ROWS, G, K), BF16).at[:M].set(x.astype(BF16))
+    kernel = functools.partial(_kernel, block_k=block_k, n_k=n_k, group_rows=N // G,
+                               interpret=interpret)
+    part = pl.pallas_call(
+        kernel, grid=(N // BLOCK_N, k_splits),
+        in_specs=[pl.BlockSpec() for _ in range(4)],
+        out_specs=pl.BlockSpec((None, ROWS, BLOCK_N), lambda nb, ks: (ks, 0, nb)),
+        out_shape=jax.ShapeDtypeStruct((k_splits, ROWS, N), F32),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="fp8_stacked_gemv",
+    )(jnp.reshape(layer, (1,)).astype(I32), xp, w, scale)
+    return jnp.sum(part, axis=0)[:M]

@@ -1,0 +1,142 @@
+"""The FP8 stacked GEMV (:mod:`pallas_kernels.gemv`): the Triton kernel in interpret mode
+against the jnp reference, its build for an H200, its shape rules, and the model using it
+inside the scanned layer groups."""
+
+from __future__ import annotations
+
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.triton import gpu_info
+
+import dsv41_jax  # noqa: F401  (XLA numerics flag before JAX starts)
+from pallas_kernels import gemv
+from pallas_kernels.gemv import triton as gemv_triton
+
+
+def _stack(rng, L, N, K):
+    w = jnp.asarray(rng.normal(0, 1, (L, N, K)), jnp.float8_e4m3fn)
+    s = jnp.asarray(rng.integers(118, 132, (L, N // 32, K // 32)), jnp.uint8)
+    return w, s
+
+
+@pytest.mark.parametrize("M, G, K, N, L, tune", [
+    (1, 1, 256, 96, 3, {}),                                   # one k block, 3 row blocks
+    (3, 2, 512, 128, 2, {"block_k": 128, "k_splits": 2}),     # grouped, split K
+    (16, 1, 1280, 64, 1, {}),                                 # 16 rows, K = 5 x 256
+])
+def test_interpret_matches_reference(M, G, K, N, L, tune):
+    """Every layer of the stack, read by index: equal to the reference up to summation order
+    (the products are exact)."""
+    rng = np.random.default_rng(0)
+    w, s = _stack(rng, L, N, K)
+    x = jnp.asarray(rng.normal(0, 1, (M, G, K)), jnp.bfloat16)
+    for layer in range(L):
+        want = np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(layer), impl="xla"))
+        got = np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(layer), impl="gpu_interpret",
+                                       **tune))
+        assert got.shape == (M, N)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # another layer's weights give another result: the index is honoured
+    assert not np.allclose(np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(0), impl="xla")),
+                           np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(L - 1),
+                                                    impl="gpu_interpret", **tune))) or L == 1
+
+
+def test_reference_is_the_dequantised_product():
+    rng = np.random.default_rng(1)
+    w, s = _stack(rng, 2, 64, 64)
+    x = jnp.asarray(rng.normal(0, 1, (2, 1, 64)), jnp.bfloat16)
+    wf = np.asarray(w[1], np.float32) * 2.0 ** (
+        np.asarray(s[1], np.float32).repeat(32, 0).repeat(32, 1) - 127)
+    np.testing.assert_allclose(np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(1), impl="xla")),
+                               np.asarray(x[:, 0], np.float32) @ wf.T, rtol=1e-6, atol=1e-4)
+
+
+def test_shape_rules_and_refusals():
+    assert gemv.kernel_fits((1, 1, 2048), (15, 32768, 2048))
+    assert gemv.kernel_fits((16, 8, 4096), (15, 8192, 4096))
+    assert not gemv.kernel_fits((17, 1, 2048), (1, 512, 2048))        # too many rows
+    assert not gemv.kernel_fits((1, 1, 2048), (1, 500, 2048))         # N not a multiple of 32
+    assert not gemv.kernel_fits((1, 1, 1 << 16), (1 << 6, 1 << 10, 1 << 16))   # >= 2**31 B
+    x = jnp.zeros((17, 1, 64), jnp.bfloat16)
+    w, s = jnp.zeros((1, 64, 64), jnp.float8_e4m3fn), jnp.zeros((1, 2, 2), jnp.uint8)
+    with pytest.raises(ValueError, match="does not take"):
+        gemv.fp8_gemv(x, w, s, jnp.int32(0), impl="gpu_interpret")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        gemv.fp8_gemv(x, w, s, jnp.int32(0), impl="cuda")
+    with pytest.raises(ValueError, match="block_k=48"):
+        gemv_triton.config(64, 1024, block_k=48)
+    assert gemv_triton.config(32768, 1280) == (256, 1)
+    assert gemv_triton.config(512, 2048) == (512, 4)
+
+
+def _h200_export(f, *args):
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
+        return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=skip)(*args)
+
+
+def test_kernel_lowers_for_h200():
+    """The grouped output projection's shapes at the mid config (8 groups, 15 layers)."""
+    x = jnp.zeros((1, 8, 4096), jnp.bfloat16)
+    w, s = jnp.zeros((15, 8192, 4096), jnp.float8_e4m3fn), jnp.zeros((15, 256, 128), jnp.uint8)
+    ex = _h200_export(lambda x, w, s, l: gemv_triton.fp8_gemv(x, w, s, l), x, w, s,
+                      jnp.int32(3))
+    assert ex.mlir_module().count("__gpu$xla.gpu.triton") == 1
+    assert [a.shape for a in ex.out_avals] == [(1, 8192)]
+
+
+def test_decode_step_reads_stacked_weights_in_place_on_a_gpu():
+    """Built for an H200, a decode step with the stored form runs its FP8 linears through the
+    kernel (the layer index passed, the stack whole); on CPU the same parameters give the
+    stored form's own results (tests/test_linear_forms.py)."""
+    from benchmarks.config import e2e_config
+    from dsv41_jax import model, state as st
+    from dsv41_jax.layers import linear as lin
+    from dsv41_jax.random_weights import random_params_device
+    cfg, _ = e2e_config("tiny")
+    p = model.prepare_params(random_params_device(cfg, 0), cfg, linears="stored")
+    state = st.init_state(cfg, 1, 64)
+    with mock.patch.object(lin, "on_gpu", lambda: True):
+        ex = _h200_export(model.decode_fn(cfg, attn_impl="xla"), p, state,
+                          jnp.zeros((1,), jnp.int32))
+    names = re.findall(r'name = "([a-z0-9_]+)"', ex.mlir_module())
+    assert names and set(names) == {"fp8_stacked_gemv"}
+
+
+def test_decode_through_the_kernel_matches_the_stored_form():
+    """The kernel (interpret mode) inside the scanned groups, reading each layer by its index
+    in the stack (units x Reuse runs both above 1), gives the decode logits of the stored
+    form's sliced weights."""
+    import types
+    from configs_util import scanned_tiny_config
+    from dsv41_jax import model, state as st
+    from dsv41_jax.layers import linear as lin
+    from dsv41_jax.random_weights import random_params_device
+    cfg = scanned_tiny_config()
+    p = model.prepare_params(random_params_device(cfg, 0), cfg, linears="stored")
+    ids = np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 12)).astype(np.int32)
+    out, state0 = model.prefill(p, cfg, ids, st.init_state(cfg, 2, 20))
+    tok = np.asarray(out.logits).argmax(-1).astype(np.int32)
+    step = model.decode_fn(cfg, attn_impl="xla")
+    want, _ = jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
+    calls = []
+
+    def interpret_gemv(*a, impl, **kw):
+        calls.append(a[1].shape)
+        return gemv.fp8_gemv(*a, impl="gpu_interpret", **kw)
+
+    fake = types.SimpleNamespace(fp8_gemv=interpret_gemv, kernel_fits=gemv.kernel_fits)
+    with mock.patch.object(lin, "on_gpu", lambda: True), mock.patch.object(lin, "gemv", fake):
+        got, _ = jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
+    assert calls, "the kernel was not used"
+    assert any(c[0] == 4 for c in calls)     # the [2 units x 2 layers] stack
+    want, got = np.asarray(want), np.asarray(got)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
