@@ -12,7 +12,8 @@ files (one or both modes per file, any lengths). ``--topk`` adds a panel of the 
 top-k selection against the row length: device times of the XLA radix selection, the one-stage
 kernel and the kernel with its default segments (``topk_triton.default_segment``), per batch,
 from selection sweeps (JSON lists of ``{B, T, impl, device_us}``, e.g.
-``docs/results/h200_topk_sweep_1.json``; later files win).
+``docs/results/h200_topk_sweep_1.json``; later files win). ``--decode`` adds a panel of the
+decode step's time per change against its floor (``docs/results/h200_decode_mid.json``).
 
 Needs matplotlib (``pip install -e .[notebooks]``).
 """
@@ -131,6 +132,38 @@ def topk_panel(ax, paths: list[str]) -> None:
     ax.legend(fontsize=6, ncol=2, loc="lower right")
 
 
+def decode_steps(path: str) -> tuple[list[tuple[str, float]], float]:
+    """``([(label, ms per step queued)], floor ms)`` of a decode profile file
+    (``docs/results/h200_decode_mid.json``): the layer-by-layer model (``before``), then each
+    recorded step; the floor is the current row's."""
+    with open(path) as f:
+        data = json.load(f)
+    bars = []
+    before = data.get("before", {}).get("decode_ms")
+    if before:
+        lo, _, hi = str(before).partition("-")
+        bars.append(("layer by layer,\ndense experts", (float(lo) + float(hi or lo)) / 2))
+    for step in data.get("steps", []):
+        bars.append((step["change"], float(step["ms_queued"])))
+    return bars, float(data["decode_4096"]["floor_ms"])
+
+
+def decode_panel(ax, path: str) -> None:
+    """Decode ms per step (queued) after each change, against the floor."""
+    import textwrap
+    bars, floor = decode_steps(path)
+    x = range(len(bars))
+    rects = ax.bar(list(x), [ms for _, ms in bars], 0.6, color="tab:blue")
+    for b, (_, ms) in zip(rects, bars):
+        ax.annotate(f"{ms:.1f} ms\n{ms / floor:.1f}x floor", (b.get_x() + b.get_width() / 2, ms),
+                    ha="center", va="bottom", fontsize=8)
+    ax.axhline(floor, color="k", ls="--", lw=1, label=f"floor {floor:.2f} ms (bytes / copy rate)")
+    ax.set_xticks(list(x), [textwrap.fill(label, 22) for label, _ in bars], fontsize=7)
+    ax.set_ylabel("ms per decode step (queued)")
+    ax.set_title("decode step, mid config, batch 1, 4K context (H200)", fontsize=10)
+    ax.legend(fontsize=8)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="plot_benchmarks", description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="*", help="dsv41-bench-kernels JSON files (attention panels)")
@@ -139,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", nargs="*", default=[], help="dsv41-bench-prefill JSON files")
     ap.add_argument("--titles", default=None, help="';'-separated panel titles of the JSON files")
     ap.add_argument("--topk", nargs="*", default=[], help="top-k selection sweep JSON files")
+    ap.add_argument("--decode", default=None, help="decode profile JSON "
+                                                   "(docs/results/h200_decode_mid.json)")
     return ap
 
 
@@ -150,10 +185,12 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = len(args.json) + bool(args.prefill) + bool(args.topk)
+    panels = len(args.json) + bool(args.prefill) + bool(args.topk) + bool(args.decode)
     if not panels:
-        ap.error("nothing to plot: give bench_kernels JSON files, --prefill or --topk")
+        ap.error("nothing to plot: give bench_kernels JSON files, --prefill, --topk or --decode")
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    if args.decode:
+        decode_panel(axes[0][len(args.json) + bool(args.prefill)], args.decode)
     if args.prefill:
         prefill_panel(axes[0][len(args.json)], args.prefill)
     if args.topk:

@@ -137,3 +137,17 @@ def test_every_option_of_the_commands_has_help():
     for mod in (bk, prefill, pb, ced_vs_exact, generate):
         for action in mod.build_parser()._actions:
             assert action.help, (mod.__name__, action.option_strings)
+
+
+def test_decode_panel_reads_the_steps_and_floor(tmp_path):
+    """The decode figure's bars: the layer-by-layer range's midpoint, then each recorded step;
+    its floor line is the current row's."""
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps({
+        "before": {"decode_ms": "32-36"},
+        "steps": [{"change": "a", "ms_queued": 16.1}, {"change": "b", "ms_queued": 11.0}],
+        "decode_4096": {"floor_ms": 2.07}}))
+    bars, floor = pb.decode_steps(str(path))
+    assert [ms for _, ms in bars] == [34.0, 16.1, 11.0] and floor == 2.07
+    assert pb.main(["--decode", str(path), "--out", str(tmp_path / "d.png")]) == 0
+    assert (tmp_path / "d.png").stat().st_size > 1000
