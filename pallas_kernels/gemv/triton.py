@@ -24,18 +24,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.sparse_attention.triton import repeat_columns
+
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 ROWS = 16          # input rows per call (tensor-core tile height)
 BLOCK_N = 32       # output rows per program: one row of 32 x 32 scale tiles
 TARGET_PROGRAMS = 1024
-
-
-def _repeat_columns(x, n: int):
-    """[R, C] -> [R, C * n], each column repeated n times (n a power of two), in registers."""
-    while n > 1:
-        x = jnp.stack([x, x], axis=-1).reshape(x.shape[0], -1)
-        n //= 2
-    return x
 
 
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, interpret):
@@ -49,7 +43,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, 
         s = s_ref[layer, pl.ds(nb, 1), pl.ds(k0 // 32, block_k // 32)].astype(I32)
         sf = jax.lax.bitcast_convert_type(s << 23, F32)          # E8M0 -> 2**(u - 127)
         x = x_ref[:, g, pl.ds(k0, block_k)].astype(F32)
-        xs = (x * _repeat_columns(sf, 32)).astype(BF16)
+        xs = (x * repeat_columns(sf, 32)).astype(BF16)
         wb = w.astype(F32 if interpret else BF16)
         xs = xs.astype(F32) if interpret else xs
         return acc + jax.lax.dot_general(xs, wb, (((1,), (1,)), ((), ())),
