@@ -41,6 +41,7 @@ from dsv41_jax.layers.linear import dequant_weight, rms_norm
 from dsv41_jax.layers.moe import MOE_IMPLS, moe
 from dsv41_jax.layers.rope import rope_frequencies
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
+from pallas_kernels import grouped_matmul
 from pallas_kernels.impls import check_family, on_gpu
 from pallas_kernels.indexer import impl_for_family, select_impl_for_family
 from pallas_kernels.sparse_attention import resolve_impl
@@ -85,6 +86,7 @@ class StepOutput:
 
 
 LINEAR_FORMS = ("auto", "bf16", "stored")
+EXPERT_FORMS = ("auto", "stored", "kernel")
 
 
 def _fp8_blocks_of(w) -> dict | None:
@@ -107,7 +109,7 @@ def _fp8_blocks_of(w) -> dict | None:
     return {"fp8": codes.reshape(N, K), "scale": (e + 127).astype(jnp.uint8)}
 
 
-def _prepare_layer(lp: dict, linears: str) -> dict:
+def _prepare_layer(lp: dict, linears: str, experts: str) -> dict:
     if linears == "stored" and "wo_a" in lp.get("attn", {}):
         fp8 = _fp8_blocks_of(lp["attn"]["wo_a"].get("weight"))
         if fp8 is not None:
@@ -122,8 +124,12 @@ def _prepare_layer(lp: dict, linears: str) -> dict:
                 if linears == "bf16":
                     return {"dq": dequant_weight(d, BF16)}
                 return {"fp8": w, "scale": d["scale"]}
-            if in_experts and w is not None and w.dtype == jnp.uint8 and linears == "stored":
-                return {"fp4": w, "scale": d["scale"]}
+            if in_experts and w is not None and w.dtype == jnp.uint8:
+                if experts == "kernel" and grouped_matmul.kernel_fits(w.shape[-2],
+                                                                      2 * w.shape[-1]):
+                    return grouped_matmul.prepare_experts(w, d["scale"])
+                if linears == "stored":
+                    return {"fp4": w, "scale": d["scale"]}
             # Engram's table is an embedding, not a linear
             return {k: (v if k == "engram" else walk(v, in_experts or k == "experts"))
                     for k, v in d.items()}
@@ -131,7 +137,7 @@ def _prepare_layer(lp: dict, linears: str) -> dict:
     return walk(lp)
 
 
-def prepare_params(params, cfg: ModelConfig, linears: str = "auto"):
+def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str = "auto"):
     """The parameters in the form the compiled steps read fastest, prepared once at load time
     (docs/architecture.md, "Scanned layer groups" and "Quantised linears").
 
@@ -152,16 +158,28 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto"):
     ``params``: the pytree of :func:`dsv41_jax.checkpoint.params_from_tensors` (or
     :func:`~dsv41_jax.random_weights.random_params_device`); an already prepared tree is returned
     as it is. Every entry point accepts both; passing the raw tree re-prepares it per call.
-    Raises ``ValueError`` for a ``linears`` not in :data:`LINEAR_FORMS`.
+    * ``experts``: the form of the FP4 routed experts. ``"kernel"``: the GPU grouped matmul's
+      form (:func:`pallas_kernels.grouped_matmul.prepare_experts`: int4 codes, transposed
+      bf16 scales; the same bytes as stored, plus the scales' width) where the kernel tiles
+      the shapes; the routed MoE (``moe_impl="routed"``) then runs every routed pair through
+      that kernel, a decode step streaming only the selected experts' weights. ``"stored"``:
+      as ``linears`` says. ``"auto"``: ``"kernel"`` on an NVIDIA GPU, ``"stored"`` elsewhere.
+
+    Raises ``ValueError`` for a ``linears`` not in :data:`LINEAR_FORMS` or ``experts`` not in
+    :data:`EXPERT_FORMS`.
     """
     if linears not in LINEAR_FORMS:
         raise ValueError(f"linears must be one of {LINEAR_FORMS}, got {linears!r}")
+    if experts not in EXPERT_FORMS:
+        raise ValueError(f"experts must be one of {EXPERT_FORMS}, got {experts!r}")
     if "layer_groups" in params:
         return params
     if linears == "auto":
         linears = "stored" if on_gpu() else "bf16"
+    if experts == "auto":
+        experts = "kernel" if on_gpu() else "stored"
     plan = LayerPlan.from_config(cfg)
-    layers = [_prepare_layer(lp, linears) for lp in params["layers"]]
+    layers = [_prepare_layer(lp, linears, experts) for lp in params["layers"]]
     groups = []
     for g in plan.groups:
         runs = []
@@ -231,14 +249,16 @@ def _stack(trees, shape):
 
 def _pin_stacked(tree):
     """``(scanned, pinned)``: a stacked parameter tree split into what a scan slices per layer
-    and the stored-form FP8 linears (``{"fp8": ...}``, routed experts aside), which stay
-    whole: the body hands them on with the layer's index in the stack (``"at"``), so a
-    decode step's GEMV reads the weight in place instead of a sliced copy
-    (:func:`dsv41_jax.layers.linear.linear`)."""
+    and the stored-form FP8 linears (``{"fp8": ...}``, stored-form routed experts aside) and
+    the kernel-form routed experts (``{"i4": ...}``), which stay whole: the body hands them on
+    with the layer's index in the stack (``"at"``), so a decode step's GEMV and the grouped
+    matmul read the weights in place instead of a sliced copy
+    (:func:`dsv41_jax.layers.linear.linear`, :mod:`pallas_kernels.grouped_matmul`)."""
     if isinstance(tree, dict):
-        if "fp8" in tree:
+        if "fp8" in tree or grouped_matmul.is_kernel_form(tree):
             return None, tree
-        pairs = {k: (v, None) if k == "experts" else _pin_stacked(v) for k, v in tree.items()}
+        pairs = {k: (v, None) if k == "experts" and not grouped_matmul.is_kernel_form(v["w1"])
+                 else _pin_stacked(v) for k, v in tree.items()}
         return {k: a for k, (a, _) in pairs.items()}, {k: b for k, (_, b) in pairs.items()}
     return tree, None
 
@@ -248,7 +268,7 @@ def _unpin(scanned, pinned, at):
     back as their whole stacks and ``at`` (int32: the layer's index in the flattened stack)."""
     if pinned is None:
         return scanned
-    if "fp8" in pinned:
+    if "fp8" in pinned or grouped_matmul.is_kernel_form(pinned):
         return {**pinned, "at": at}
     return {k: _unpin(scanned[k], pinned[k], at) for k in scanned}
 

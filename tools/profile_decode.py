@@ -36,6 +36,7 @@ from benchmarks.config import e2e_config
 from benchmarks.e2e import decode_bytes
 from benchmarks.timing import roofline, trace_events
 from dsv41_jax import model, state as st
+from dsv41_jax.layers.moe import MOE_IMPLS
 from dsv41_jax.cli.args import Parser, positive_int, positive_ints
 from dsv41_jax.random_weights import random_params_device
 
@@ -55,30 +56,32 @@ def kernel_table(events: list[dict], steps: int) -> tuple[int, float, list]:
     return len(dev) / steps, sum(float(e.get("dur", 0.0)) for e in dev) / steps / 1e3, rows
 
 
-def profile_context(params, cfg, context: int, batch: int, steps: int, top: int) -> dict:
+def profile_context(params, cfg, context: int, batch: int, steps: int, top: int,
+                    moe_impl: str = "dense") -> dict:
     """Time ``steps`` decode steps of ``batch`` rows at ``context`` tokens of context."""
     state = st.init_state(cfg, batch, context + 2 * steps + 8)
     state = state.replace(pos=jnp.full((batch,), context, jnp.int32))
     toks = np.random.RandomState(0).randint(0, cfg.vocab_size, (2 * steps + 8, batch))
     t0 = time.perf_counter()
-    lg, state = model.decode_step(params, cfg, state, toks[0])
+    lg, state = model.decode_step(params, cfg, state, toks[0], moe_impl=moe_impl)
     jax.block_until_ready(lg)
     first = time.perf_counter() - t0
     synced = []
     for i in range(steps):
         t0 = time.perf_counter()
-        lg, state = model.decode_step(params, cfg, state, toks[1 + i])
+        lg, state = model.decode_step(params, cfg, state, toks[1 + i], moe_impl=moe_impl)
         jax.block_until_ready(lg)
         synced.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     for i in range(steps // 2):
-        lg, state = model.decode_step(params, cfg, state, toks[1 + steps + i])
+        lg, state = model.decode_step(params, cfg, state, toks[1 + steps + i],
+                                      moe_impl=moe_impl)
     jax.block_until_ready(lg)
     queued = (time.perf_counter() - t0) / (steps // 2)
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             for i in range(3):
-                lg, state = model.decode_step(params, cfg, state, toks[i])
+                lg, state = model.decode_step(params, cfg, state, toks[i], moe_impl=moe_impl)
                 jax.block_until_ready(lg)
         launches, device_ms, kernels = kernel_table(trace_events(log_dir), 3)
     return {"context": context, "batch": batch, "first_call_s": first,
@@ -99,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--linears", choices=model.LINEAR_FORMS, default="auto",
                     help="form of the FP8 linears and FP4 experts (model.prepare_params; "
                          "default auto: stored on a GPU, bf16 elsewhere)")
+    ap.add_argument("--experts", choices=model.EXPERT_FORMS, default="auto",
+                    help="form of the FP4 routed experts (model.prepare_params; default auto: "
+                         "the grouped matmul kernel's on a GPU, stored elsewhere)")
+    ap.add_argument("--moe-impl", choices=MOE_IMPLS, default="dense",
+                    help="routed MoE implementation (default dense)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap
 
@@ -107,14 +115,15 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     name = "tiny" if args.tiny else args.config
     cfg, _ = e2e_config(name)
-    params = model.prepare_params(random_params_device(cfg, 0), cfg, args.linears)
+    params = model.prepare_params(random_params_device(cfg, 0), cfg, args.linears, args.experts)
     jax.block_until_ready(params)
     roof = roofline(1, copy_bytes=1 << 20, matmul_n=256) if args.tiny else roofline(3)
     res = {"device": str(jax.devices()[0].device_kind), "config": name,
-           "linears": args.linears,
+           "linears": args.linears, "experts": args.experts, "moe_impl": args.moe_impl,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "roofline": roof, "rows": []}
     for ctx in args.contexts:
-        r = profile_context(params, cfg, ctx, args.batch, max(args.steps, 2), args.top)
+        r = profile_context(params, cfg, ctx, args.batch, max(args.steps, 2), args.top,
+                            args.moe_impl)
         r["floor_ms"] = 1e3 * r["bytes"] / (roof["copy_GBps"] * 1e9)
         res["rows"].append(r)
         print(f"context {ctx}, batch {args.batch}: {r['ms_queued']:.2f} ms per step queued "

@@ -11,6 +11,8 @@ and dequantised on use (docs/architecture.md, "Quantised linears"):
 * ``{"dq": bf16 [out, in]}``: an FP8 linear dequantised once at load time
   (:func:`dsv41_jax.model.prepare_params`, ``linears="bf16"``): the input is still FP8
   act-quantised, so the result is the FP8 linear's.
+* ``{"i4": ..., "scale_t": ...}``: stacked FP4 experts in the GPU grouped matmul's form
+  (:func:`pallas_kernels.grouped_matmul.prepare_experts`, made at load time).
 * ``{"fp8": W, "scale": S}`` / ``{"fp4": W, "scale": S}``: an FP8 linear / FP4 expert kept in
   its stored format (``prepare_params(..., linears="stored")``, the GPU default). Inside a
   scanned layer group an FP8 one comes whole with its layer's index in the stack (``"at"``);
@@ -34,7 +36,7 @@ from jaxtyping import Array, Float
 
 from dsv41_jax import quant
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
-from pallas_kernels import gemv
+from pallas_kernels import gemv, grouped_matmul
 from pallas_kernels.fp4.common import exp2_int
 from pallas_kernels.impls import on_gpu
 
@@ -48,6 +50,8 @@ def dequant_weight(p: dict, dtype=BF16) -> jax.Array:
     """The weight of a linear parameter dict as ``dtype`` ``[..., out, in]``."""
     if "dq" in p:
         return p["dq"].astype(dtype)
+    if grouped_matmul.is_kernel_form(p):
+        return grouped_matmul.dequant(p, dtype)
     w = p.get("weight", p.get("fp8", p.get("fp4")))
     if w.dtype == jnp.float8_e4m3fn:
         return quant.dequant_fp8_weight(w, p["scale"], 32, dtype)
@@ -58,7 +62,7 @@ def dequant_weight(p: dict, dtype=BF16) -> jax.Array:
 
 def is_quantized(p: dict) -> bool:
     """Whether the linear quantises its input (an FP8 or FP4 weight, stored or prepared)."""
-    return any(k in p for k in ("dq", "fp8", "fp4")) or p["weight"].dtype in (
+    return any(k in p for k in ("dq", "fp8", "fp4", "i4")) or p["weight"].dtype in (
         jnp.float8_e4m3fn, jnp.uint8)
 
 

@@ -17,6 +17,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax import quant
 from dsv41_jax.layers.linear import dequant_weight, is_quantized, linear
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
+from pallas_kernels import grouped_matmul
 
 
 def _softplus(z):
@@ -98,9 +99,12 @@ def _grouped_linear(x: Float[Array, "P I"], pe: dict, group_sizes: Int[Array, "E
                     ) -> Float[Array, "P O"]:
     """Rows sorted by expert times their expert's weight, as :func:`linear` would for each row
     (FP8 act-quant for a quantised weight, fp32 accumulation, bf16 out): one grouped matmul
-    (``lax.ragged_dot``) over the stacked experts."""
+    over the stacked experts (FP4 experts: :func:`pallas_kernels.grouped_matmul.grouped_matmul`,
+    the GPU kernel for the kernel form; otherwise ``lax.ragged_dot``)."""
     if is_quantized(pe):
         x = quant.act_quant_qdq(x, 32)
+    if "fp4" in pe or grouped_matmul.is_kernel_form(pe):
+        return grouped_matmul.grouped_matmul(x, pe, group_sizes)
     y = jax.lax.ragged_dot(x.astype(BF16), _expert_weights_in_out(pe), group_sizes,
                            preferred_element_type=F32)
     return y.astype(BF16)
@@ -113,7 +117,7 @@ def _grouped_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
     back per token and summed in fp32 in increasing expert id (the reference's order; within
     one product only the summation order may differ from :func:`expert`)."""
     N, k = idx.shape
-    E = jax.tree.leaves(experts)[0].shape[0]
+    E = next(v for key, v in experts["w1"].items() if key != "at").shape[-3]
     flat_e = idx.reshape(-1)
     perm = jnp.argsort(flat_e, stable=True)                      # pairs sorted by expert
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
@@ -150,18 +154,26 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
     matmuls over the (token, expert) pairs only (:func:`_grouped_experts`). All reproduce the
     reference's fp32 accumulation order (increasing expert id, the shared expert last, one
     bf16 rounding); the gathered and dense paths bit for bit, the routed one up to the
-    summation order inside each product. Raises ``ValueError`` for an unknown ``impl``. See
-    docs/architecture.md, "Mixture of experts".
+    summation order inside each product. Experts in the grouped matmul's kernel form
+    (``prepare_params(..., experts="kernel")``) with ``"routed"`` take every pair, however few,
+    through :func:`pallas_kernels.grouped_matmul.grouped_matmul`. Raises ``ValueError`` for an
+    unknown ``impl``. See docs/architecture.md, "Mixture of experts".
     """
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
     k = n_active or cfg.n_activated_experts
     idx, w = gate(x, p["gate"], cfg, image_mask, k)
     n_exp = p["gate"]["weight"].shape[0]
+    experts = p["experts"]
+    if impl == "routed" and grouped_matmul.is_kernel_form(experts["w1"]):
+        # every pair through the grouped matmul: a few tokens stream only their experts
+        acc = _grouped_experts(x, experts, idx, w, cfg.swiglu_limit)
+        return _with_shared(acc, x, p, cfg), idx, w
+    experts = {name: grouped_matmul.in_layer(v) for name, v in experts.items()}
     if x.shape[0] * k < n_exp:
-        acc = _routed_experts(x, p["experts"], idx, w, cfg.swiglu_limit)
+        acc = _routed_experts(x, experts, idx, w, cfg.swiglu_limit)
     elif impl == "routed":
-        acc = _grouped_experts(x, p["experts"], idx, w, cfg.swiglu_limit)
+        acc = _grouped_experts(x, experts, idx, w, cfg.swiglu_limit)
     else:
         dense_w = jnp.zeros((x.shape[0], n_exp), F32).at[
             jnp.arange(x.shape[0])[:, None], idx].add(w)
@@ -170,6 +182,12 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
             pe, we = args
             return acc + expert(x, pe, cfg.swiglu_limit, we).astype(F32), None
 
-        acc, _ = jax.lax.scan(body, jnp.zeros(x.shape, F32), (p["experts"], dense_w.T))
+        acc, _ = jax.lax.scan(body, jnp.zeros(x.shape, F32), (experts, dense_w.T))
+    return _with_shared(acc, x, p, cfg), idx, w
+
+
+def _with_shared(acc: Float[Array, "N D"], x: Float[Array, "N D"], p: dict, cfg: ModelConfig
+                 ) -> Float[Array, "N D"]:
+    """The routed experts' fp32 sum plus the shared expert, rounded to bf16 once."""
     acc = acc + expert(x, p["shared_experts"], cfg.swiglu_limit).astype(F32)
-    return acc.astype(BF16), idx, w
+    return acc.astype(BF16)

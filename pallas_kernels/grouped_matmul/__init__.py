@@ -1,0 +1,107 @@
+"""FP4 grouped matmul: rows grouped by expert times their expert's FP4 weight, the routed
+experts' GEMM (docs/architecture.md, "Mixture of experts"; docs/kernels.md, "FP4 grouped
+matmul").
+
+``grouped_matmul(x [P, K] bf16, w, group_sizes [E] int32) -> bf16 [P, N]``: rows grouped by
+expert in increasing id (``group_sizes[e]`` rows each; rows past the total give 0) times
+``W[e]^T``, fp32 accumulation, bf16 out. ``w`` holds the stacked experts ``[E, N, K]`` in the
+stored form ``{"fp4": uint8 [E, N, K/2], "scale": uint8 [E, N, K/32]}`` (packed e2m1, E8M0 per
+32 inputs) or the GPU kernel's form ``{"i4", "scale_t"}`` (:func:`prepare_experts`, made once
+at load time). The products are exact in fp32 (the input an FP8 QDQ activation or bf16, the
+weight e2m1 times a power of two), so implementations differ only in summation order.
+
+Implementations (``impl``, :mod:`pallas_kernels.impls`): ``"xla"`` (:mod:`.reference`:
+dequantise, ``lax.ragged_dot``), ``"gpu"`` (:mod:`.mosaic_gpu`, Hopper wgmma with the weights
+dequantised in registers; needs the kernel form), ``"tpu"`` (:mod:`.tpu`, a megablox-style
+Pallas TPU kernel on the stored form, dequantising in VMEM; interpret-tested only),
+``"gpu_interpret"`` / ``"tpu_interpret"``, ``"auto"`` (``"gpu"`` on an NVIDIA GPU for the kernel
+form, ``"xla"`` otherwise).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, BFloat16, Int
+
+from pallas_kernels import impls
+from pallas_kernels.fp4.reference import BF16, F32
+from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tpu
+
+__all__ = ["grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form", "dequant"]
+
+prepare_experts = mosaic_gpu.prepare_experts
+
+
+def kernel_fits(n: int, k: int) -> bool:
+    """Whether the GPU kernel tiles experts of ``n`` outputs and ``k`` inputs."""
+    return n % mosaic_gpu.BLOCK_N == 0 and k % mosaic_gpu.BLOCK_K == 0
+
+
+def is_kernel_form(w: dict) -> bool:
+    return "i4" in w
+
+
+def in_layer(w: dict) -> dict:
+    """Experts handed on whole out of a scanned stack (``"at"``: the layer's index in the
+    flattened stack, :func:`dsv41_jax.model._run_group`) -> that layer's ``[E, N, K]``."""
+    if "at" not in w:
+        return w
+    return {k: jax.lax.dynamic_index_in_dim(v.reshape(-1, *v.shape[-3:]), w["at"], 0,
+                                            keepdims=False)
+            for k, v in w.items() if k != "at"}
+
+
+def dequant(w: dict, dtype=BF16) -> jax.Array:
+    """The stacked experts of either form as ``dtype`` ``[..., N, K]`` (exact)."""
+    w = in_layer(w)
+    if not is_kernel_form(w):
+        lead = w["fp4"].shape[:-2]
+        out = reference.dequant_experts(w["fp4"].reshape(-1, *w["fp4"].shape[-2:]),
+                                        w["scale"].reshape(-1, *w["scale"].shape[-2:]))
+        return out.reshape(*lead, *out.shape[-2:]).astype(dtype)
+    v = mosaic_gpu.e2m1_from_i4(w["i4"].astype(F32))
+    s = jnp.repeat(jnp.swapaxes(w["scale_t"], -1, -2).astype(F32), 32, axis=-1)
+    return (v * s).astype(dtype)
+
+
+def grouped_matmul(x: BFloat16[Array, "P K"], w: dict, group_sizes: Int[Array, "E"], *,
+                   impl: str = "auto", block_m: int | None = None,
+                   max_concurrent_steps: int = 4) -> BFloat16[Array, "P N"]:
+    """See the module docstring. ``block_m``: the GPU kernel's token tile (default
+    :func:`mosaic_gpu.pick_block_m`). Raises ``ValueError`` for an unknown ``impl``, or with
+    ``impl="gpu"`` for the stored form or shapes the kernel does not tile."""
+    impl = impls.check_family(impl)
+    kernel_form = is_kernel_form(w)
+    if impl == "auto":
+        impl = "gpu" if impls.on_gpu() and kernel_form else "xla"
+    if impls.platform(impl) == "tpu":
+        w = in_layer(w)
+        if kernel_form:
+            raise ValueError("grouped_matmul: the TPU kernel takes the stored form of the "
+                             "experts, not the GPU kernel's")
+        return tpu.fp4_grouped_matmul_tpu(x.astype(BF16), w["fp4"], w["scale"], group_sizes,
+                                          interpret=impls.interpret(impl))
+    if impls.platform(impl) != "gpu":
+        w = in_layer(w)
+        y = jax.lax.ragged_dot(x.astype(BF16), jnp.swapaxes(dequant(w), 1, 2),
+                               group_sizes.astype(jnp.int32), preferred_element_type=F32)
+        return y.astype(BF16)
+    if not kernel_form:
+        raise ValueError("grouped_matmul: the GPU kernel needs the kernel form of the experts "
+                         "(prepare_experts)")
+    P, K = x.shape
+    E = group_sizes.shape[0]
+    bm = block_m or mosaic_gpu.pick_block_m(P, E)
+    dest, tile_expert = mosaic_gpu.pad_groups(group_sizes, P, bm)
+    if "at" in w:           # a stack of layers read in place: experts numbered across it
+        tile_expert = jnp.where(tile_expert >= 0, tile_expert + w["at"] * E, -1)
+        w = {k: w[k].reshape(-1, *w[k].shape[-2:]) for k in ("i4", "scale_t")}
+    xp = jnp.zeros((tile_expert.shape[0] * bm, K), BF16).at[dest].set(x.astype(BF16),
+                                                                      mode="drop")
+    yt = mosaic_gpu.grouped_matmul_t(xp, w, tile_expert, block_m=bm,
+                                     max_concurrent_steps=max_concurrent_steps,
+                                     interpret=impls.interpret(impl))
+    total = jnp.sum(group_sizes)
+    y = jnp.take(yt, jnp.minimum(dest, yt.shape[1] - 1), axis=1).T
+    return jnp.where((jnp.arange(P) < total)[:, None], y, 0).astype(BF16)

@@ -1,0 +1,190 @@
+"""The FP4 grouped matmul as a Pallas Mosaic GPU kernel for Hopper (wgmma), the FP4 experts
+dequantised in registers (docs/architecture.md, "Mixture of experts"; docs/kernels.md,
+"FP4 grouped matmul").
+
+The expert weight is the wgmma's A operand and the tokens its B operand ("swap AB"): a CTA
+computes the ``[block_n, block_m]`` tile ``W[e][n-block] @ X[tile]^T`` of one expert ``e``,
+features by tokens, so the token tile can be as small as 8 rows (a decode step routes a
+handful of tokens to each expert) while the weight tile fills wgmma's 64-row M. Per K step of
+64 inputs the kernel
+
+* copies (TMA, pipelined) the token tile ``[block_m, 64]`` bf16, the weight tile
+  ``[block_n, 64]`` int4 and its two scale rows ``[2, block_n]`` bf16 into shared memory;
+* loads the weight tile into registers, converts int4 -> bf16, maps the codes to their e2m1
+  values and multiplies by the scale of each 32-input half (exact: e2m1 values times powers
+  of two are bf16 values), and
+* runs ``wgmma(acc, W_tile, X_tile^T)`` with fp32 accumulation.
+
+The rows are laid out by :func:`pad_groups`: grouped by expert, each expert's rows padded to a
+multiple of ``block_m``, so every token tile belongs to one expert (a table gives it) and
+tiles past the last used one do nothing.
+
+Kernel form of the weights (:func:`prepare_experts`, once at load time): the e2m1 codes as
+int4 ``[E, N, K]`` holding ``+-i`` for a code of sign ``s`` and magnitude index ``i`` (so the
+kernel's value is ``f(v) = 2 v - clip(v, -4, 4) / 2 - clip(v, -6, 6)``, which maps
+0..7 to 0, 0.5, 1, 1.5, 2, 3, 4, 6 and is odd), and the scales as bf16 ``[E, K / 32, N]``
+(the power of two itself, rows by input block). The only value that changes is ``-0``
+(code 8), which becomes ``+0``: a sum it enters is unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, BFloat16, Int, UInt8
+
+from pallas_kernels.fp4.reference import BF16, F32, e8m0_to_f32, unpack_nibbles
+
+BLOCK_K = 64          # inputs per pipeline step: two 32-input scale blocks
+BLOCK_N = 128         # weight rows (output features) per CTA: two wgmma M tiles of 64
+BLOCK_MS = (8, 16, 32, 64, 128)   # token tiles (wgmma N)
+I4 = jnp.int4
+
+
+def prepare_experts(codes: UInt8[Array, "E N K2"], scale: UInt8[Array, "E N G"]) -> dict:
+    """Stored FP4 experts -> the kernel form ``{"i4": int4 [E, N, K], "scale_t": bf16
+    [E, K / 32, N]}`` (see the module docstring). Raises ``ValueError`` unless ``K`` is a
+    multiple of 64 and ``N`` of 128."""
+    E, N, K2 = codes.shape
+    K = 2 * K2
+    if K % BLOCK_K or N % BLOCK_N:
+        raise ValueError(f"prepare_experts: K={K} must be a multiple of {BLOCK_K} and "
+                         f"N={N} of {BLOCK_N}")
+    if scale.shape != (E, N, K // 32):
+        raise ValueError(f"prepare_experts: scale shape {scale.shape} != {(E, N, K // 32)}")
+    c = unpack_nibbles(codes).astype(jnp.int32)
+    v = jnp.where(c >= 8, 8 - c, c).astype(I4)                     # sign-magnitude -> +-i
+    s = jnp.swapaxes(e8m0_to_f32(scale), 1, 2).astype(BF16)        # exact powers of two
+    return {"i4": v, "scale_t": s}
+
+
+def e2m1_from_i4(v):
+    """The e2m1 value of a kernel-form code ``v`` in -7..7 (any float dtype; exact)."""
+    return 2 * v - 0.5 * jnp.clip(v, -4, 4) - jnp.clip(v, -6, 6)
+
+
+def pick_block_m(rows: int, experts: int) -> int:
+    """The token tile for ``rows`` routed rows over ``experts`` experts: the smallest of
+    :data:`BLOCK_MS` that holds the mean rows per expert (wasted rows per expert stay below
+    one tile)."""
+    mean = -(-rows // max(experts, 1))
+    return next((b for b in BLOCK_MS if b >= mean), BLOCK_MS[-1])
+
+
+def pad_groups(group_sizes: Int[Array, "E"], rows: int, block_m: int):
+    """Where each row goes in the padded layout, and the expert of each token tile.
+
+    Rows ``0 .. rows - 1`` are grouped by expert (``group_sizes``, increasing id; rows past
+    the total are unused). Returns ``(dest int32 [rows], tile_expert int32 [T])`` with
+    ``T = rows // block_m + E`` (a static bound on the tiles): row ``p`` goes to padded row
+    ``dest[p]`` (``T * block_m`` for an unused row: out of range, dropped by a scatter), and
+    tile ``t`` belongs to expert ``tile_expert[t]`` (``-1``: unused)."""
+    E = group_sizes.shape[0]
+    T = rows // block_m + E
+    sizes = group_sizes.astype(jnp.int32)
+    tiles = (sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    row_start = jnp.cumsum(sizes) - sizes
+    p = jnp.arange(rows, dtype=jnp.int32)
+    e = jnp.searchsorted(jnp.cumsum(sizes), p, side="right").astype(jnp.int32)
+    used = e < E
+    e = jnp.minimum(e, E - 1)
+    dest = jnp.where(used, tile_start[e] * block_m + p - row_start[e], T * block_m)
+    t = jnp.arange(T, dtype=jnp.int32)
+    te = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    return dest, jnp.where(te < E, te, -1)
+
+
+def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block_m,
+            x_transposed, max_concurrent_steps):
+    a_smem = scratch[0] if scratch else None
+    t = lax.axis_index("t")
+    n = lax.axis_index("n")
+    e = tile_expert_gmem[t]
+
+    @pl.when(e >= 0)
+    def _():
+        col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_N, BLOCK_K), 1, layout=plgpu.Layout.WGMMA)
+        low_half = col < 32
+        row = plgpu.Layout.WGMMA.reduce(1)
+
+        def acc_scope(acc_ref):
+            def step(_, x_smem, w_smem, s_smem):
+                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(BF16)
+                s0 = lax.broadcast_in_dim(plgpu.load(s_smem.at[0], layout=row), w.shape, [0])
+                s1 = lax.broadcast_in_dim(plgpu.load(s_smem.at[1], layout=row), w.shape, [0])
+                w = e2m1_from_i4(w) * jnp.where(low_half, s0, s1)
+                if a_smem is not None:      # interpret mode: wgmma's A from shared memory
+                    a_smem[...] = w
+                    w = a_smem
+                plgpu.wgmma(acc_ref, w, x_smem if x_transposed else x_smem.T)
+                plgpu.wgmma_wait(0)
+
+            x_spec = (plgpu.BlockSpec((BLOCK_K, block_m), lambda k: (k, t)) if x_transposed
+                      else plgpu.BlockSpec((block_m, BLOCK_K), lambda k: (t, k)))
+            plgpu.emit_pipeline(
+                step,
+                grid=(K // BLOCK_K,),
+                in_specs=[
+                    x_spec,
+                    plgpu.BlockSpec((BLOCK_N, BLOCK_K), lambda k: (n, k)),
+                    plgpu.BlockSpec((BLOCK_K // 32, BLOCK_N), lambda k: (k, n)),
+                ],
+                max_concurrent_steps=max_concurrent_steps,
+            )(x_gmem, w_gmem.at[e], s_gmem.at[e])
+            return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_N, block_m), F32))
+
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_N, block_m), BF16))
+        def _store(o_smem):
+            o_smem[...] = acc.astype(BF16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_smem, o_gmem.at[pl.ds(n * BLOCK_N, BLOCK_N), pl.ds(t * block_m, block_m)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array, "T"], *,
+                     block_m: int, x_transposed: bool = False, max_concurrent_steps: int = 4,
+                     interpret: bool = False) -> BFloat16[Array, "N R"]:
+    """``Y^T`` for the padded layout: ``Y^T[:, r] = W[e(r)] @ x[r]`` (fp32 accumulation, bf16
+    out) for every row ``r`` of a used tile (``e(r) = tile_expert[r // block_m]``); the
+    columns of unused tiles are left unwritten (their values are undefined).
+
+    ``x``: bf16 ``[R, K]`` with ``R = T * block_m`` (or ``[K, R]`` with ``x_transposed``);
+    ``w``: the kernel form of :func:`prepare_experts`. Raises ``ValueError`` for shapes the
+    kernel does not tile."""
+    i4, s = w["i4"], w["scale_t"]
+    E, N, K = i4.shape
+    T = tile_expert.shape[0]
+    R, Kx = x.shape[::-1] if x_transposed else x.shape
+    if block_m not in BLOCK_MS:
+        raise ValueError(f"grouped_matmul_t: block_m={block_m} must be one of {BLOCK_MS}")
+    if Kx != K or R != T * block_m:
+        raise ValueError(f"grouped_matmul_t: x {x.shape} does not match K={K} and "
+                         f"{T} tiles of {block_m} rows")
+    if K % BLOCK_K or N % BLOCK_N:
+        raise ValueError(f"grouped_matmul_t: K={K} must be a multiple of {BLOCK_K}, "
+                         f"N={N} of {BLOCK_N}")
+    kernel = functools.partial(_kernel, K=K, block_m=block_m, x_transposed=x_transposed,
+                               max_concurrent_steps=min(max_concurrent_steps, K // BLOCK_K))
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((N, R), BF16),
+        grid=(T, N // BLOCK_N),
+        grid_names=("t", "n"),
+        # interpret mode's wgmma takes A from shared memory only: stage the tile there
+        scratch_types=[plgpu.SMEM((BLOCK_N, BLOCK_K), BF16)] if interpret else [],
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return call(tile_expert.astype(jnp.int32), x.astype(BF16), i4, s)

@@ -1,0 +1,224 @@
+"""The FP4 grouped matmul (:mod:`pallas_kernels.grouped_matmul`): the Mosaic GPU kernel in
+interpret mode against the jnp reference (group patterns, token tiles, K steps, a stack of
+layers read in place), its kernel form of the weights, its shape rules, the CUDA lowering of
+its GPU build, and the model running its routed MoE on kernel-form experts."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv41_jax  # noqa: F401  (XLA numerics flag before JAX starts)
+from dsv41_jax import model, quant, state as st
+from dsv41_jax.random_weights import random_params_device
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.grouped_matmul import mosaic_gpu as mg
+from pallas_kernels.grouped_matmul import reference
+from configs_util import scanned_tiny_config
+
+
+def _experts(rng, E, N, K, L=None):
+    lead = (E,) if L is None else (L, E)
+    codes = jnp.asarray(rng.integers(0, 256, (*lead, N, K // 2)), jnp.uint8)
+    scale = jnp.asarray(rng.integers(118, 134, (*lead, N, K // 32)), jnp.uint8)
+    return codes, scale
+
+
+def _reset_interpreter():
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def _kernel(x, w, gs, **kw):
+    try:
+        return np.asarray(gm.grouped_matmul(x, w, gs, impl="gpu_interpret", **kw), np.float32)
+    except Exception:
+        _reset_interpreter()
+        raise
+
+
+def _close(got, want):
+    """Equal up to the fp32 summation order of exact products: within one bf16 rounding."""
+    assert not np.isnan(got).any()
+    tol = np.abs(want) * 2.0 ** -7 + 1e-6 * np.abs(want).max()
+    assert (np.abs(got - want) <= tol).all()
+    assert np.mean(got == want) > 0.9
+
+
+@pytest.mark.parametrize("sizes, P, K, block_m", [
+    ((7, 0, 13), 20, 128, 8),          # an empty expert, groups straddling token tiles
+    ((0, 40, 0, 1), 45, 192, 16),      # one crowded expert, rows past the total (zeros)
+    ((3, 2, 1), 6, 64, None),          # a decode step: 6 pairs, one K step
+    ((33, 0, 64, 31), 128, 256, 32),   # full and partial tiles, 4 K steps
+])
+def test_interpret_matches_reference(sizes, P, K, block_m):
+    rng = np.random.default_rng(len(sizes) + K)
+    E, N = len(sizes), 128
+    codes, scale = _experts(rng, E, N, K)
+    x = jnp.asarray(rng.normal(0, 1, (P, K)), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = np.asarray(reference.fp4_grouped_matmul(x, codes, scale, gs), np.float32)
+    got = _kernel(x, gm.prepare_experts(codes, scale), gs, block_m=block_m)
+    _close(got, want)
+    assert (got[sum(sizes):] == 0).all()
+
+
+def test_stack_read_in_place():
+    """Experts handed on as a whole stack of layers with the layer's index (``"at"``): the
+    kernel and the XLA path read that layer's experts."""
+    rng = np.random.default_rng(3)
+    L, E, N, K, P = 3, 4, 128, 128, 24
+    codes, scale = _experts(rng, E, N, K, L)
+    w = jax.vmap(gm.prepare_experts)(codes, scale)
+    x = jnp.asarray(rng.normal(0, 1, (P, K)), jnp.bfloat16)
+    gs = jnp.asarray([5, 0, 11, 8], jnp.int32)
+    for layer in (0, 2):
+        want = np.asarray(reference.fp4_grouped_matmul(x, codes[layer], scale[layer], gs),
+                          np.float32)
+        stacked = {**w, "at": jnp.int32(layer)}
+        _close(_kernel(x, stacked, gs), want)
+        np.testing.assert_array_equal(
+            np.asarray(gm.grouped_matmul(x, stacked, gs, impl="xla"), np.float32),
+            np.asarray(gm.grouped_matmul(x, {"fp4": codes[layer], "scale": scale[layer]}, gs,
+                                         impl="xla"), np.float32))
+
+
+def test_kernel_form_values():
+    """The kernel form dequantises to the stored values (code 8, -0, becomes +0)."""
+    rng = np.random.default_rng(4)
+    codes, scale = _experts(rng, 2, 128, 64)
+    codes = codes.at[0, 0, :].set(jnp.arange(32, dtype=jnp.uint8) * 17 % 256)  # every code
+    want = np.asarray(reference.dequant_experts(codes, scale), np.float32)
+    got = np.asarray(gm.dequant(gm.prepare_experts(codes, scale)), np.float32)
+    np.testing.assert_array_equal(got, want)
+    v = np.arange(-7, 8, dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(mg.e2m1_from_i4(jnp.asarray(v))),
+                                  np.sign(v) * quant.E2M1_VALUES[np.abs(v).astype(int)])
+
+
+def test_padding_plan():
+    gs = jnp.asarray([7, 0, 13, 1], jnp.int32)
+    dest, te = mg.pad_groups(gs, 24, 8)
+    dest = np.asarray(dest)
+    # expert 0 in tile 0, expert 2 in tiles 1-2, expert 3 in tile 3; rows past 21 dropped
+    np.testing.assert_array_equal(dest[:21], [*range(7), *range(8, 21), 24])
+    assert (dest[21:] == te.shape[0] * 8).all()
+    np.testing.assert_array_equal(np.asarray(te), [0, 2, 2, 3, -1, -1, -1])
+    assert mg.pick_block_m(6, 384) == 8 and mg.pick_block_m(24 * 1024, 384) == 64
+    assert mg.pick_block_m(10 ** 6, 16) == 128
+
+
+def test_refusals():
+    rng = np.random.default_rng(5)
+    codes, scale = _experts(rng, 2, 128, 64)
+    x = jnp.zeros((4, 64), jnp.bfloat16)
+    gs = jnp.asarray([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="kernel form"):
+        gm.grouped_matmul(x, {"fp4": codes, "scale": scale}, gs, impl="gpu")
+    with pytest.raises(ValueError, match="impl"):
+        gm.grouped_matmul(x, {"fp4": codes, "scale": scale}, gs, impl="cuda")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gm.prepare_experts(codes[..., :16], scale[..., :1])
+    with pytest.raises(ValueError, match="block_m"):
+        gm.grouped_matmul(x, gm.prepare_experts(codes, scale), gs, impl="gpu", block_m=24)
+    assert gm.kernel_fits(2304, 5120) and gm.kernel_fits(5120, 2304)
+    assert not gm.kernel_fits(64, 64)
+
+
+@pytest.mark.parametrize("tokens", [2, 24])
+def test_moe_on_a_stack_in_kernel_form(tokens):
+    """The MoE sublayer on kernel-form experts handed on as a stack with ``"at"`` equals the
+    stored form's, for every path: the gathered few-token one, the dense scan and the routed
+    grouped matmuls (XLA on CPU), and the routed one through the GPU kernel (interpret)."""
+    from dsv41_jax.config import ModelConfig
+    from dsv41_jax.layers import moe as moe_layer
+    rng = np.random.default_rng(6)
+    E, D, F, L = 8, 128, 128, 2
+    cfg = ModelConfig.from_json("configs/small.json").replace(
+        dim=D, moe_inter_dim=F, n_routed_experts=E, n_activated_experts=2)
+    stacks = {k: _experts(rng, E, *((F, D) if k != "w2" else (D, F)), L)
+              for k in ("w1", "w3", "w2")}
+    shared = {k: {"weight": jnp.asarray(rng.normal(0, 0.1, (F, D) if k != "w2" else (D, F)),
+                                        jnp.bfloat16)} for k in ("w1", "w3", "w2")}
+    gate = {"weight": jnp.asarray(rng.normal(0, 1, (E, D)), jnp.bfloat16),
+            "bias": jnp.zeros((E,), jnp.float32)}
+    x = jnp.asarray(rng.normal(0, 1, (tokens, D)), jnp.bfloat16)
+    layer = 1
+    stored = {"gate": gate, "shared_experts": shared,
+              "experts": {k: {"fp4": c[layer], "scale": s[layer]} for k, (c, s) in stacks.items()}}
+    kernel = {**stored, "experts": {k: {**jax.vmap(gm.prepare_experts)(c, s),
+                                        "at": jnp.int32(layer)}
+                                    for k, (c, s) in stacks.items()}}
+    for impl in ("dense", "routed"):
+        want = np.asarray(moe_layer.moe(x, stored, cfg, None, impl=impl)[0], np.float32)
+        got = np.asarray(moe_layer.moe(x, kernel, cfg, None, impl=impl)[0], np.float32)
+        if impl == "dense":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+    real = gm.grouped_matmul
+    with mock.patch.object(gm, "grouped_matmul",
+                           lambda *a, **kw: real(*a, impl="gpu_interpret", **kw)):
+        got = np.asarray(moe_layer.moe(x, kernel, cfg, None, impl="routed")[0], np.float32)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+
+
+def _export_h200(f, *args):
+    return jax.export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+
+
+@pytest.mark.parametrize("block_m", [8, 64, 128])
+def test_gpu_build_lowers(block_m):
+    """The GPU build at the mid config's expert shapes (w1: 2048 -> 512; w2: 512 -> 2048)
+    goes through Mosaic GPU's lowering, per token tile."""
+    S = jax.ShapeDtypeStruct
+    E = 16
+    for N, K in ((512, 2048), (2048, 512)):
+        w = {"i4": S((E, N, K), jnp.int4), "scale_t": S((E, K // 32, N), jnp.bfloat16)}
+        text = _export_h200(lambda x, w, gs: gm.grouped_matmul(x, w, gs, impl="gpu",
+                                                                block_m=block_m),
+                            S((6 * 64, K), jnp.bfloat16), w, S((E,), jnp.int32))
+        assert "mosaic_gpu" in text
+
+
+@pytest.fixture(scope="module")
+def kernel_cfg_params():
+    cfg = scanned_tiny_config().replace(dim=128, moe_inter_dim=128)
+    return cfg, random_params_device(cfg, 0)
+
+
+def test_model_kernel_form(kernel_cfg_params):
+    """``prepare_params(..., experts="kernel")``: the routed experts in the kernel form, read
+    in place out of the scanned stacks (units and Reuse runs both above 1); a decode step
+    with the routed MoE equals the stored form's bit for bit (the XLA path on CPU: the same
+    values dequantised)."""
+    cfg, params = kernel_cfg_params
+    stored = model.prepare_params(params, cfg)
+    kernel = model.prepare_params(params, cfg, experts="kernel")
+    leaves = jax.tree_util.tree_leaves_with_path(kernel)
+    assert any("i4" in jax.tree_util.keystr(p) for p, _ in leaves)
+    toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
+    out, state0 = model.prefill(stored, cfg, toks, st.init_state(cfg, 2, 20))
+    tok = jnp.asarray(np.asarray(out.logits).argmax(-1).astype(np.int32))
+    step = jax.jit(model.decode_fn(cfg, moe_impl="routed"))
+    want, _ = step(stored, state0, tok)
+    got, _ = step(kernel, state0, tok)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="experts must be one of"):
+        model.prepare_params(params, cfg, experts="int4")
+
+
+def test_model_decode_lowers_with_kernel(kernel_cfg_params):
+    """A decode step with the routed MoE on kernel-form experts, built for an H200: the
+    grouped matmul kernel inside the scanned groups, reading the stacks in place."""
+    cfg, params = kernel_cfg_params
+    kernel = model.prepare_params(params, cfg, experts="kernel")
+    s = st.init_state(cfg, 1, 32)
+    with mock.patch("pallas_kernels.impls.on_gpu", lambda backend=None: True):
+        text = _export_h200(model.decode_fn(cfg, attn_impl="xla", moe_impl="routed"),
+                            kernel, s, jnp.zeros((1,), jnp.int32))
+    assert "fp4_grouped_matmul" in text or "mosaic_gpu" in text
