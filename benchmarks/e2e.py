@@ -363,10 +363,11 @@ def prompt_tokens(cfg: ModelConfig, batch: int, n: int, seed: int) -> np.ndarray
 
 
 def prefill_all(params, cfg, tokens: np.ndarray, state, mode: str, chunk: int | None,
-                attn_impl: str):
+                attn_impl: str, moe_impl: str = "dense"):
     """Prefill ``tokens`` [B, n] into ``state`` in one call (``chunk`` None or >= n) or in
-    chunks of ``chunk`` (the last one zero-padded: every call has the same shapes). Returns
-    ``(out, state)`` of the last call."""
+    chunks of ``chunk`` (the last one zero-padded: every call has the same shapes), the routed
+    experts run as ``moe_impl`` (``model.prefill``). Returns ``(out, state)`` of the last
+    call."""
     B, n = tokens.shape
     chunk = min(chunk or n, n)
     out = None
@@ -375,7 +376,7 @@ def prefill_all(params, cfg, tokens: np.ndarray, state, mode: str, chunk: int | 
         t = np.zeros((B, chunk), np.int32)
         t[:, :piece.shape[1]] = piece
         out, state = model.prefill(params, cfg, t, state, np.full((B,), piece.shape[1], np.int32),
-                                   mode=mode, attn_impl=attn_impl)
+                                   mode=mode, attn_impl=attn_impl, moe_impl=moe_impl)
     return out, state
 
 

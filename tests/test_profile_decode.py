@@ -32,3 +32,14 @@ def test_bad_arguments_exit_2(tool):
     with pytest.raises(SystemExit) as e:
         tool.main(["--contexts", "0"])
     assert e.value.code == 2
+
+
+def test_kernel_table_key_and_select(tool):
+    events = [_ev("a.1", 10.0), _ev("b.2", 30.0), _ev("c.3", 5.0, thread="tf_XLAEigen/1",
+                                                       process="/host:CPU")]
+    launches, ms, rows = tool.kernel_table(events, 1, key=lambda e: e["name"][0].upper(),
+                                           select=lambda e: True)
+    assert launches == 3.0 and ms == pytest.approx(0.045)
+    assert [r[0] for r in rows] == ["B", "A", "C"]
+    with pytest.raises(ValueError, match="steps"):
+        tool.kernel_table(events, 0)
