@@ -89,9 +89,8 @@ def main(argv=None) -> int:
     try:
         if args.fixture:
             cfg = ModelConfig.from_json(os.path.join(args.fixture, "config.json"))
-            params = checkpoint.params_from_tensors(
-                checkpoint.read_safetensors(os.path.join(args.fixture, "weights.safetensors")),
-                cfg)
+            params = checkpoint.stream_params(
+                os.path.join(args.fixture, "weights.safetensors"), cfg)
         else:
             cfg = ModelConfig.from_json(args.config or SMALL_JSON)
             params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, 0), cfg)

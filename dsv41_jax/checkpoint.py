@@ -5,11 +5,22 @@ The raw reader returns numpy arrays in storage dtypes that JAX understands:
 ``F8_E8M0 -> uint8`` (the exponent byte, value ``2**(u-127)``), ``I8 -> uint8`` (packed e2m1,
 two codes per byte). See docs/architecture.md, "Quantised linears", "Number formats" and
 "Checkpoint format and load-time conversions".
+
+Loading streams (:func:`load_params`): the files' headers are read and checked against the
+expected layout first (no tensor data read), then the tensors are read one at a time as
+zero-copy ``np.memmap`` views of their byte ranges, each placed on the device and converted
+before the next one is read (a tensor above 1 GiB in blocks of rows), so the host holds about
+one tensor at a time, never a file or the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import os
+import struct
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -22,21 +33,186 @@ _DTYPES = {
     "I32": np.int32, "I64": np.int64,
 }
 
+#: Largest safetensors header this reader accepts (the format's own limit is 100 MB).
+MAX_HEADER_BYTES = 100_000_000
+
+
+# ----------------------------------------------------------------------------- files
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor of a ``.safetensors`` file lies (from the file's header, no data read).
+
+    ``code``: the stored dtype code (``"F8_E4M3"``, ...); ``dtype``: the numpy dtype it is read
+    as (:data:`_DTYPES`); ``start``: absolute byte offset of the data in the file; ``nbytes``:
+    ``prod(shape) * itemsize``.
+    """
+
+    name: str
+    path: str
+    code: str
+    shape: tuple
+    start: int
+    nbytes: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(_DTYPES[self.code])
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """The tensors of one ``.safetensors`` file, from its header only (8-byte little-endian
+    header length, a JSON object ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``
+    with offsets relative to the data after the header; see the safetensors format).
+
+    Raises ``ValueError`` naming the file (and the tensor) for: a file too short for its
+    header, a header that is not such a JSON object, a dtype this model never stores, a byte
+    range whose length is not ``prod(shape) * itemsize``, and a truncated file (a tensor whose
+    bytes end beyond the end of the file).
+    """
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (truncated: {size} bytes, shorter "
+                             "than the 8-byte header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise ValueError(f"{path}: not a safetensors file or truncated: header length {n} "
+                             f"but the file holds {size} bytes")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
+    data_start, data_size = 8 + n, size - 8 - n
+    out: dict[str, TensorEntry] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code, shape = spec["dtype"], tuple(int(d) for d in spec["shape"])
+            begin, end = (int(o) for o in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {spec!r}"
+                             ) from None
+        dt = _DTYPES.get(code)
+        if dt is None:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {code}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        if end - begin != nbytes or begin < 0:
+            raise ValueError(f"{path}: tensor {name!r} ({code} {list(shape)}, {nbytes} bytes) "
+                             f"has data_offsets [{begin}, {end}] of {end - begin} bytes")
+        out[name] = TensorEntry(name, path, code, shape, data_start + begin, nbytes)
+    short = [e for e in out.values() if e.start + e.nbytes > size]
+    if short:
+        e = min(short, key=lambda e: e.start)
+        raise ValueError(f"{path}: file is truncated: tensor {e.name!r} needs bytes "
+                         f"{e.start - data_start}..{e.start - data_start + e.nbytes} of the data "
+                         f"section but it holds only {data_size} bytes "
+                         f"({len(short)} tensor{'s' * (len(short) > 1)} cut off)")
+    return out
+
+
+def map_tensor(entry: TensorEntry) -> np.ndarray:
+    """One tensor as a read-only numpy array of its storage dtype (``entry.dtype``,
+    ``entry.shape``): a zero-copy ``np.memmap`` of its byte range, backed by the page cache;
+    the mapping is released when the array (and every view of it) is dropped.
+
+    Raises ``ValueError`` naming the tensor and the file if the file no longer holds its bytes
+    (shortened since its header was read).
+    """
+    if entry.nbytes == 0:
+        return np.zeros(entry.shape, entry.dtype)
+    try:
+        mm = np.memmap(entry.path, dtype=np.uint8, mode="r", offset=entry.start,
+                       shape=(entry.nbytes,))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{entry.path}: cannot read tensor {entry.name!r} (bytes "
+                         f"{entry.start}..{entry.start + entry.nbytes} of the file): {e}"
+                         ) from None
+    return np.frombuffer(mm, entry.dtype).reshape(entry.shape)
+
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of one ``.safetensors`` file as numpy arrays in their storage dtypes.
 
-    Raises ``ValueError`` for a dtype this model never stores.
+    The arrays are read-only views of one ``np.memmap`` of the file (zero-copy: the bytes are
+    paged in from the page cache when used). Raises ``ValueError`` as :func:`read_header` does.
     """
-    with open(path, "rb") as f:
-        entries = safetensors.deserialize(f.read())
-    out = {}
-    for name, spec in entries:
-        dt = _DTYPES.get(spec["dtype"])
-        if dt is None:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {spec['dtype']}")
-        out[name] = np.frombuffer(spec["data"], dtype=dt).reshape(spec["shape"])
-    return out
+    entries = read_header(path)
+    if not entries:
+        return {}
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    return {name: np.frombuffer(mm, e.dtype, count=int(np.prod(e.shape, dtype=np.int64)),
+                                offset=e.start).reshape(e.shape)
+            for name, e in entries.items()}
+
+
+#: numpy dtype name -> the safetensors dtype name that stores it (uint8: see
+#: :func:`write_safetensors`).
+_STORE_NAMES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16",
+                "float8_e4m3fn": "float8_e4m3fn", "int32": "int32", "int64": "int64"}
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (numpy arrays in the storage dtypes :func:`read_safetensors` returns)
+    as one ``.safetensors`` file in the reference's dtype codes (``safetensors.serialize_file``,
+    no copy of the data): ``uint8`` tensors named ``*.scale`` are written as ``F8_E8M0``, other
+    ``uint8`` ones as ``I8`` (packed e2m1), the rest as their own dtype.
+
+    Raises ``ValueError`` naming a tensor of a dtype the reference format does not store.
+    """
+    keep, specs = [], {}
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        keep.append(a)
+        if a.dtype == np.uint8:
+            store = "float8_e8m0fnu" if name.endswith(".scale") else "int8"
+        elif a.dtype.name in _STORE_NAMES:
+            store = _STORE_NAMES[a.dtype.name]
+        else:
+            raise ValueError(f"tensor {name!r} has dtype {a.dtype}, which the reference "
+                             "checkpoint format does not store")
+        specs[name] = safetensors.TensorSpec(dtype=store, shape=list(a.shape),
+                                             data_ptr=a.ctypes.data, data_len=a.nbytes)
+    safetensors.serialize_file(specs, os.fspath(path), metadata)
+    del keep
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The ``*.safetensors`` files of a checkpoint directory (sorted), or ``[path]`` for a file.
+
+    Raises ``ValueError`` for a directory that holds none, ``FileNotFoundError`` for a path
+    that does not exist.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"checkpoint directory {path!r} holds no *.safetensors file")
+        return [os.path.join(path, f) for f in files]
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    return [path]
+
+
+def checkpoint_index(path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """Every tensor of a checkpoint (directory or file) -> where it lies, from the files'
+    headers only. Raises ``ValueError`` as :func:`read_header` does, and naming a tensor held
+    by two files (and both files)."""
+    index: dict[str, TensorEntry] = {}
+    for f in checkpoint_files(path):
+        for name, e in read_header(f).items():
+            if name in index:
+                raise ValueError(f"checkpoint tensor {name!r} is in two files: "
+                                 f"{index[name].path} and {f}")
+            index[name] = e
+    return index
 
 
 def nest(flat: dict[str, Any]) -> dict:
@@ -141,38 +317,104 @@ def expected_tensors(cfg) -> dict[str, tuple[tuple, tuple]]:
     return out
 
 
-def validate_tensors(flat: dict[str, np.ndarray], cfg) -> None:
-    """Raise ``ValueError`` naming the first missing tensor or wrong shape / dtype."""
+def expected_vision_tensors(cfg) -> dict[str, tuple[tuple, tuple]]:
+    """The optional vision-language tensors of the reference format (``{}`` when
+    ``cfg.vision_n_layers`` is 0): name -> (shape, allowed dtypes), as the tiny-vl fixture
+    holds them (docs/architecture.md, "Vision transformer and aligner"): the ViT (bf16 linears
+    with biases, fused ``wqkv`` [3V, V] and gate/up ``mlp.w1`` [2F, V]), the aligner (3x3
+    unfold -> [D, V r^2] -> [D, D]), the image-span rows and each layer's routing bias for
+    image tokens ``ffn.gate.bias_vl`` (fp32 [E]). The loader places them when present and
+    does not check them; :mod:`dsv41_jax.memory_plan` counts them.
+    """
+    if not cfg.vision_n_layers:
+        return {}
+    V, F, D, p = cfg.vision_dim, cfg.vision_inter_dim, cfg.dim, cfg.vision_patch_size
+    r = cfg.vision_downsample_ratio
+    bf16, f32 = ("bfloat16",), ("float32",)
+    out: dict = {"vision.patch_embed.proj.weight": ((V, 3 * p * p), bf16),
+                 "vision.patch_embed.proj.bias": ((V,), bf16)}
+    for i in range(cfg.vision_n_layers):
+        b = f"vision.blocks.{i}"
+        out[f"{b}.norm1.weight"] = ((V,), bf16)
+        out[f"{b}.attn.wqkv.weight"] = ((3 * V, V), bf16)
+        out[f"{b}.attn.wqkv.bias"] = ((3 * V,), bf16)
+        out[f"{b}.attn.wo.weight"] = ((V, V), bf16)
+        out[f"{b}.attn.wo.bias"] = ((V,), bf16)
+        out[f"{b}.norm2.weight"] = ((V,), bf16)
+        out[f"{b}.mlp.w1.weight"] = ((2 * F, V), bf16)
+        out[f"{b}.mlp.w2.weight"] = ((V, F), bf16)
+    out["vision.norm.weight"] = ((V,), bf16)
+    out["aligner.w1.weight"] = ((D, V * r * r), bf16)
+    out["aligner.w1.bias"] = ((D,), bf16)
+    out["aligner.w2.weight"] = ((D, D), bf16)
+    out["aligner.w2.bias"] = ((D,), bf16)
+    for name in ("image_start", "image_end", "image_newline"):
+        out[name] = ((D,), bf16)
+    for i in range(cfg.n_layers):
+        out[f"layers.{i}.ffn.gate.bias_vl"] = ((cfg.n_routed_experts,), f32)
+    return out
+
+
+def _check_layout(found: Mapping[str, tuple[tuple, str]], cfg, where: Callable[[str], str],
+                  missing_where: str = "") -> None:
+    """Raise ``ValueError`` naming the first missing tensor or wrong shape / dtype.
+
+    ``found``: name -> (shape, numpy dtype name) of what the checkpoint holds; ``where(name)``
+    is appended to the message for a tensor of the wrong shape or dtype (``""``, or ``" (stored
+    as CODE in FILE)"``), ``missing_where`` to the message for a missing tensor.
+    """
     exp = expected_tensors(cfg)
-    missing = [n for n in exp if n not in flat]
+    missing = [n for n in exp if n not in found]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"checkpoint is missing tensor {missing[0]!r}{more}")
+        raise ValueError(f"checkpoint is missing tensor {missing[0]!r}{more}{missing_where}")
     for name, (shape, dtypes) in exp.items():
-        a = flat[name]
-        if tuple(a.shape) != tuple(shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(a.shape)}, expected "
-                             f"{tuple(shape)}")
-        if str(a.dtype) not in dtypes:
-            raise ValueError(f"checkpoint tensor {name!r} has dtype {a.dtype}, expected one of "
-                             f"{dtypes}")
+        got_shape, got_dtype = found[name]
+        if tuple(got_shape) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(got_shape)}, expected "
+                             f"{tuple(shape)}{where(name)}")
+        if got_dtype not in dtypes:
+            raise ValueError(f"checkpoint tensor {name!r} has dtype {got_dtype}, expected one of "
+                             f"{dtypes}{where(name)}")
+
+
+def validate_tensors(flat: dict[str, np.ndarray], cfg) -> None:
+    """Raise ``ValueError`` naming the first missing tensor or wrong shape / dtype."""
+    _check_layout({n: (a.shape, str(a.dtype)) for n, a in flat.items()}, cfg, lambda n: "")
+
+
+def validate_index(index: Mapping[str, TensorEntry], cfg) -> None:
+    """:func:`validate_tensors` for a checkpoint's headers (:func:`checkpoint_index`): raise
+    ``ValueError`` naming the first missing tensor (and the files searched) or a tensor of the
+    wrong shape or dtype and the file that holds it. No tensor data is read."""
+    files = sorted({e.path for e in index.values()})
+    dirs = sorted({os.path.dirname(f) for f in files})
+    searched = (f" (not in any of the {len(files)} *.safetensors files in {dirs[0]})"
+                if len(dirs) == 1 and len(files) > 1 else
+                f" (not in {', '.join(files)})" if files else " (no tensors found)")
+
+    def where(name):
+        e = index[name]
+        return f" (stored as {e.code} in {e.path})"
+    _check_layout({n: (e.shape, e.dtype.name) for n, e in index.items()}, cfg, where, searched)
 
 
 # ----------------------------------------------------------------------------- loading
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint directory (every ``*.safetensors`` in it) or one file."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise ValueError(f"checkpoint directory {path!r} holds no *.safetensors file")
-        flat: dict = {}
-        for f in files:
-            flat.update(read_safetensors(os.path.join(path, f)))
-        return flat
-    return read_safetensors(path)
+    """All tensors of a checkpoint directory (every ``*.safetensors`` in it) or one file, as
+    zero-copy views of the mapped files (:func:`read_safetensors`). Prefer :func:`load_params`,
+    which streams: converted, every tensor here would be paged in together."""
+    flat: dict = {}
+    origin: dict = {}
+    for f in checkpoint_files(path):
+        for name, a in read_safetensors(f).items():
+            if name in flat:
+                raise ValueError(f"checkpoint tensor {name!r} is in two files: {origin[name]} "
+                                 f"and {f}")
+            flat[name], origin[name] = a, f
+    return flat
 
 
 def engram_params(cfg, tokenizer_map=None) -> dict:
@@ -198,26 +440,34 @@ def engram_params(cfg, tokenizer_map=None) -> dict:
                               engram_layer.engram_hash_constants(consts).items()}}
 
 
-def params_from_tensors(flat: dict[str, np.ndarray], cfg, tokenizer_map=None) -> dict:
-    """Reference tensors -> the model's parameter pytree, with the load-time conversions
-    (docs/architecture.md, "Checkpoint format and load-time conversions"): experts stacked
-    (packed FP4 kept), ``wo_a`` dequantised to bf16, the BF16-stored fp32 tensors upcast (head,
-    ratio-2 compressor). Validates names and shapes first.
-    """
+def default_place(name: str, host: np.ndarray):
+    """Where the loaders put each tensor by default: ``jnp.asarray`` (a copy on JAX's default
+    device; never an alias of the mapped file, which on CPU ``jax.device_put`` can make)."""
+    import jax.numpy as jnp
+    return jnp.asarray(host)
+
+
+def _assemble(cfg, names, fetch: Callable[[str], Any], stack: Callable[[str, list], Any],
+              tokenizer_map=None) -> dict:
+    """The model's parameter pytree from the reference tensors ``names`` (already validated),
+    reading each one when it is placed: ``fetch(name)`` -> one tensor on the device,
+    ``stack(stacked_name, names)`` -> the tensors ``names`` stacked on a new leading axis, on
+    the device. The load-time conversions (docs/architecture.md, "Checkpoint format and
+    load-time conversions") run on the device right after their tensors are placed. ``mtp.*``
+    and top-level tensors the model does not use are never read."""
     import jax.numpy as jnp
 
     from dsv41_jax import quant
     from dsv41_jax.config import LayerPlan
 
-    validate_tensors(flat, cfg)
     plan = LayerPlan.from_config(cfg)
-    tree = nest({k: v for k, v in flat.items() if not k.startswith("mtp.")})
+    tree = nest({n: n for n in names if not n.startswith("mtp.")})   # leaves: tensor names
 
     def conv(x):
-        return jnp.asarray(x) if isinstance(x, np.ndarray) else {k: conv(v) for k, v in x.items()}
+        return fetch(x) if isinstance(x, str) else {k: conv(v) for k, v in x.items()}
 
     params: dict = {"embed": conv(tree["embed"]), "norm": conv(tree["norm"]),
-                    "head": {"weight": jnp.asarray(tree["head"]["weight"], jnp.float32)}}
+                    "head": {"weight": fetch("head.weight").astype(jnp.float32)}}
     layers = []
     for role in plan.roles:
         lt = tree["layers"][role.layer]
@@ -231,7 +481,8 @@ def params_from_tensors(flat: dict[str, np.ndarray], cfg, tokenizer_map=None) ->
                 comp[w] = {"weight": comp[w]["weight"].astype(jnp.float32)}
         ffn = lt["ffn"]
         experts = [ffn["experts"][e] for e in range(cfg.n_routed_experts)]
-        stacked = {w: {k: jnp.asarray(np.stack([ex[w][k] for ex in experts]))
+        p = f"layers.{role.layer}.ffn.experts"
+        stacked = {w: {k: stack(f"{p}.{w}.{k}", [ex[w][k] for ex in experts])
                        for k in experts[0][w]} for w in ("w1", "w2", "w3")}
         lp["ffn"] = {"gate": conv(ffn["gate"]), "experts": stacked,
                      "shared_experts": conv(ffn["shared_experts"])}
@@ -241,20 +492,148 @@ def params_from_tensors(flat: dict[str, np.ndarray], cfg, tokenizer_map=None) ->
         params.update(engram_params(cfg, tokenizer_map))
     for name in ("image_start", "image_end", "image_newline"):
         if name in tree:
-            params[name] = jnp.asarray(tree[name])
+            params[name] = fetch(name)
     if "vision" in tree:
         params["vision"] = conv(tree["vision"])
         params["aligner"] = conv(tree["aligner"])
     return params
 
 
-def load_params(path: str | os.PathLike, cfg=None):
-    """Load a reference-format checkpoint directory (``config.json`` + ``*.safetensors``).
+def _placed(place, name, host):
+    """``place(name, host)``, waited for, so that the host array can go before the next read."""
+    x = place(name, host)
+    if hasattr(x, "block_until_ready"):
+        x.block_until_ready()
+    return x
 
-    Returns ``(cfg, params)``. Raises ``ValueError`` naming a missing or mis-shaped tensor.
+
+def params_from_tensors(flat: dict[str, np.ndarray], cfg, tokenizer_map=None, *,
+                        place: Callable[[str, np.ndarray], Any] | None = None) -> dict:
+    """Reference tensors -> the model's parameter pytree, with the load-time conversions
+    (docs/architecture.md, "Checkpoint format and load-time conversions"): experts stacked
+    (packed FP4 kept), ``wo_a`` dequantised to bf16, the BF16-stored fp32 tensors upcast (head,
+    ratio-2 compressor). Validates names, shapes and dtypes first (``ValueError`` naming the
+    first missing or mis-shaped tensor).
+
+    ``flat``: name -> numpy array in its storage dtype (:func:`read_checkpoint`,
+    ``random_weights.random_tensors``); ``place(name, host_array)`` puts one tensor on the
+    device (default :func:`default_place`). For a checkpoint on disk use :func:`load_params`,
+    which streams.
+    """
+    validate_tensors(flat, cfg)
+    place = place or default_place
+
+    def stack(name, names):
+        return _placed(place, name, np.stack([flat[n] for n in names]))
+
+    return _assemble(cfg, flat, lambda n: _placed(place, n, flat[n]), stack, tokenizer_map)
+
+
+#: Default ``block_bytes`` of :func:`stream_params`: the most host memory one placement takes.
+BLOCK_BYTES = 1 << 30
+
+
+def _write_rows(out, block, lo):
+    """``out`` with rows ``lo .. lo + len(block)`` replaced by ``block``, in place (donated)."""
+    import jax
+    global _WRITE_ROWS
+    if _WRITE_ROWS is None:
+        _WRITE_ROWS = jax.jit(lambda o, b, i: jax.lax.dynamic_update_slice_in_dim(o, b, i, 0),
+                              donate_argnums=0)
+    return _WRITE_ROWS(out, block, lo)
+
+
+_WRITE_ROWS = None
+
+
+def _place_in_blocks(place, name: str, shape: tuple, dtype, rows_of, block_bytes: int):
+    """Place a ``shape`` tensor whose host rows ``rows_of(lo, hi)`` (leading axis) builds, in
+    blocks of at most ``block_bytes`` (at least one row): the whole tensor in one call when it
+    fits, else each block placed and written into a device array of the full shape (made with
+    the first block's sharding), so that the host holds one block at a time."""
+    import jax.numpy as jnp
+
+    n = shape[0] if shape else 1
+    row_bytes = max(1, math.prod(shape[1:]) * np.dtype(dtype).itemsize)
+    step = max(1, block_bytes // row_bytes)
+    if not shape or step >= n:
+        return _placed(place, name, rows_of(0, n))
+    out = None
+    for lo in range(0, n, step):
+        block = _placed(place, name, rows_of(lo, min(lo + step, n)))
+        if out is None:
+            out = jnp.zeros(shape, block.dtype, device=block.sharding)
+        out = _write_rows(out, block, lo)
+        del block
+        out.block_until_ready()
+    return out
+
+
+def stream_params(path: str | os.PathLike, cfg, tokenizer_map=None, *,
+                  place: Callable[[str, np.ndarray], Any] | None = None,
+                  block_bytes: int = BLOCK_BYTES) -> dict:
+    """:func:`params_from_tensors` of a checkpoint on disk (directory of ``*.safetensors`` or
+    one file), streamed: the files' headers are checked against the expected layout first
+    (:func:`validate_index`, no data read), then each tensor is read as a zero-copy memmap
+    view of its bytes (:func:`map_tensor`), placed with ``place(name, host_array)`` (default
+    :func:`default_place`), waited for and dropped before the next one. The routed experts of
+    one layer and projection are copied into one host buffer ``[E, ...]`` and placed together.
+
+    A tensor (or expert stack) above ``block_bytes`` is placed in blocks of rows along its
+    leading axis (``place`` then sees each block under the tensor's name) written into a device
+    array of the full shape: the release's Engram tables (98 GB each) and expert stacks (2.3 GB)
+    never sit whole in host memory. Peak host memory: about ``min(block_bytes, largest
+    tensor)`` plus the pages of the tensor being read, whatever the checkpoint's size.
+
+    Raises ``ValueError`` naming the tensor and its file for a missing tensor, a wrong shape
+    or dtype, a truncated file or one shortened while loading, a tensor in two files, and
+    anything :func:`read_header` refuses; ``ValueError`` for a ``block_bytes`` below 1.
+    """
+    if not isinstance(block_bytes, int) or block_bytes < 1:
+        raise ValueError(f"block_bytes must be an integer >= 1, got {block_bytes!r}")
+    index = checkpoint_index(path)
+    validate_index(index, cfg)
+    place = place or default_place
+
+    def fetch(name):
+        e = index[name]
+
+        def rows_of(lo, hi):
+            if not e.shape:
+                return map_tensor(e)
+            row = e.nbytes // e.shape[0] if e.shape[0] else 0
+            return map_tensor(dataclasses.replace(
+                e, shape=(hi - lo,) + e.shape[1:], start=e.start + lo * row,
+                nbytes=(hi - lo) * row))
+        return _place_in_blocks(place, name, e.shape, e.dtype, rows_of, block_bytes)
+
+    def stack(name, names):
+        first = index[names[0]]
+
+        def rows_of(lo, hi):
+            buf = np.empty((hi - lo,) + first.shape, first.dtype)
+            for i in range(lo, hi):
+                buf[i - lo] = map_tensor(index[names[i]])
+            return buf
+        return _place_in_blocks(place, name, (len(names),) + first.shape, first.dtype, rows_of,
+                                block_bytes)
+
+    return _assemble(cfg, index, fetch, stack, tokenizer_map)
+
+
+def load_params(path: str | os.PathLike, cfg=None, *, tokenizer_map=None,
+                place: Callable[[str, np.ndarray], Any] | None = None,
+                block_bytes: int = BLOCK_BYTES):
+    """Load a reference-format checkpoint directory (``config.json`` + ``*.safetensors``),
+    streamed tensor by tensor (:func:`stream_params`).
+
+    Returns ``(cfg, params)``; ``cfg`` defaults to the directory's ``config.json``.
+    ``tokenizer_map``: Engram's compressed token map (default: built from the tokenizer);
+    ``place``, ``block_bytes``: see :func:`stream_params`. Raises ``ValueError`` naming a
+    missing, mis-shaped or mis-typed tensor and its file, or a truncated file.
     """
     from dsv41_jax.config import ModelConfig
 
     if cfg is None:
         cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
-    return cfg, params_from_tensors(read_checkpoint(path), cfg)
+    return cfg, stream_params(path, cfg, tokenizer_map, place=place, block_bytes=block_bytes)

@@ -111,8 +111,7 @@ def summary(checks: list[Check]) -> dict[str, int]:
 def load_fixture_dir(path: str):
     """``(cfg, params, manifest)`` of a fixture directory (config.json + weights.safetensors)."""
     cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
-    params = checkpoint.params_from_tensors(
-        checkpoint.read_safetensors(os.path.join(path, "weights.safetensors")), cfg)
+    params = checkpoint.stream_params(os.path.join(path, "weights.safetensors"), cfg)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
     return cfg, params, manifest

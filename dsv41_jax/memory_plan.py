@@ -1,0 +1,361 @@
+"""Memory plan of a config: weights by kind, the inference state, a prefill chunk's
+activations, per device for N devices, and whether that fits a device's memory.
+
+Nothing is allocated: the weights are the shapes of the parameter pytree the loader returns
+(``jax.eval_shape`` of :func:`dsv41_jax.random_weights.random_params_device`, which builds that
+very tree), plus the optional vision tensors of the checkpoint layout
+(:func:`dsv41_jax.checkpoint.expected_vision_tensors`); the state is ``jax.eval_shape`` of
+:func:`dsv41_jax.state.init_state`; the activations are a formula (:func:`activation_bytes`).
+The split over devices is one simple rule, :func:`device_share` (real sharding comes later).
+
+Command line: ``python scripts/plan_memory.py --config configs/flash.json --batch 8 --context
+131072 --devices 8 --engram host --device-gb 141 [--json]`` (:func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+
+GB = 1e9   # decimal gigabytes, as GPU memory is quoted (an H200: 141 GB)
+
+#: Weight kinds, in table order, and what each holds.
+WEIGHT_KINDS = {
+    "attention": "attention & other: attention, indexer, compressors, norms, mHC, MoE gates, "
+                 "Engram projections",
+    "routed_experts": "routed experts (packed FP4 + E8M0 scales)",
+    "shared_experts": "shared experts",
+    "embed_head": "embedding + LM head (head in fp32)",
+    "engram_tables": "Engram tables (FP8 rows + E8M0 scales)",
+    "vision": "vision tower, aligner, image rows, bias_vl",
+}
+ENGRAM_PLACES = ("device", "sharded", "host")
+DEFAULT_CHUNK = 256    # dsv41-generate's default --chunk
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * np.dtype(getattr(ml_dtypes, str(dtype), None) or dtype).itemsize
+
+
+def weight_kind(path: str) -> str:
+    """The :data:`WEIGHT_KINDS` key of a parameter, from its path in the loaded pytree
+    (``"layers/3/ffn/experts/w1/weight"``, ``"embed/weight"``, ...)."""
+    parts = path.split("/")
+    if parts[0] in ("embed", "head"):
+        return "embed_head"
+    if parts[0] in ("vision", "aligner") or parts[0].startswith("image_") or "bias_vl" in parts:
+        return "vision"
+    if parts[0] == "layers" and len(parts) > 3:
+        if parts[2:4] == ["ffn", "experts"]:
+            return "routed_experts"
+        if parts[2:4] == ["ffn", "shared_experts"]:
+            return "shared_experts"
+        if parts[2:4] == ["engram", "embed"]:
+            return "engram_tables"
+    return "attention"
+
+
+def param_shapes(cfg):
+    """``jax.ShapeDtypeStruct`` pytree of the loaded parameters (text model), no allocation."""
+    from dsv41_jax import random_weights
+    tmap = None
+    if cfg.engram_layer_ids:   # any map with the right number of ids: only shapes are used
+        tmap = np.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size
+    return jax.eval_shape(lambda: random_weights.random_params_device(cfg, 0, tmap))
+
+
+def weight_bytes(cfg) -> dict[str, int]:
+    """Bytes of the loaded weights (as :func:`dsv41_jax.checkpoint.load_params` places them:
+    stored forms, ``wo_a`` in bf16, the head and ratio-2 compressors in fp32) per
+    :data:`WEIGHT_KINDS` key. ``mtp.*`` (DSpark) is not loaded and not counted."""
+    from dsv41_jax import checkpoint
+    out = dict.fromkeys(WEIGHT_KINDS, 0)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg)):
+        out[weight_kind(jax.tree_util.keystr(path, simple=True, separator="/"))] += \
+            _nbytes(leaf.shape, leaf.dtype)
+    for shape, dtypes in checkpoint.expected_vision_tensors(cfg).values():
+        out["vision"] += _nbytes(shape, dtypes[0])
+    return out
+
+
+def largest_placed_tensor(cfg) -> tuple[str, int]:
+    """The largest array the streamed loader places (name, bytes): a routed-expert projection
+    of one layer stacked over the experts, or the largest other tensor (the loader places those
+    above 1 GiB in blocks of rows: :func:`dsv41_jax.checkpoint.stream_params`)."""
+    from dsv41_jax import checkpoint
+    best = ("", 0)
+    for name, (shape, dtypes) in checkpoint.expected_tensors(cfg).items():
+        n = _nbytes(shape, dtypes[0])
+        parts = name.split(".")
+        if ".ffn.experts." in name:
+            if parts[4] != "0":
+                continue
+            n *= cfg.n_routed_experts
+            name = ".".join(parts[:4] + parts[5:])
+        if n > best[1]:
+            best = (name, n)
+    return best
+
+
+def state_bytes(cfg, batch: int, context: int) -> dict[str, int]:
+    """Bytes of the inference state (``init_state(cfg, batch, context)`` under
+    ``jax.eval_shape``) by part: window rings, main KV, indexer K, compressor tails, encoder
+    ring (CED replay), Engram history and positions."""
+    from dsv41_jax import state as st
+    s = jax.eval_shape(lambda: st.init_state(cfg, batch, context))
+
+    def size(*arrs):
+        return sum(_nbytes(a.shape, a.dtype) for a in arrs if a is not None)
+    srcs = s.sources.values()
+    return {
+        "window rings": sum(size(w.kv, w.scale) for w in s.windows),
+        "main KV (FP4)": sum(size(x.main, x.main_scale) for x in srcs),
+        "indexer K (MXFP4)": sum(size(x.index, x.index_scale) for x in srcs),
+        "compressor tails": sum(size(x.tail.kv, x.tail.score) for x in srcs if x.tail),
+        "encoder ring": size(s.enc_ring.x, s.enc_ring.pre_mix) if s.enc_ring else 0,
+        "Engram history, positions": size(s.engram_history, s.pos),
+    }
+
+
+def activation_bytes(cfg, rows: int, chunk: int, context: int) -> dict[str, int]:
+    """A rough estimate of the largest live intermediates of a prefill chunk of ``rows`` x
+    ``chunk`` tokens at ``context`` tokens of state, by term (a sum: conservative, since one
+    sublayer's intermediates are mostly dead before the next one's):
+
+    * residual streams: mHC ``X`` in and out, bf16 ``[n, C, D]``, and an fp32 temporary;
+    * attention: query and output bf16 ``[n, H, K]``, the gathered list of ``index_topk +
+      window`` KV rows per query in bf16 (the XLA path gathers them; the GPU kernels read the
+      packed rows in place);
+    * indexer: fp32 scores and the candidate mask over every entry of the largest source
+      ``[n, T]`` (the XLA reference path also holds per-head bf16 dots ``[n, I, T]``: the
+      ``indexer per-head dots (XLA path)`` term, not in the total);
+    * routed MoE: per routed pair the w1 / w3 / gated outputs bf16 ``[F]`` and an fp32 output
+      ``[D]``, and the gate's fp32 scores ``[n, E]``;
+    * Engram: the gathered table rows (bf16) and the key/value projection;
+    * logits: fp32 ``[rows, V]`` at the last position.
+
+    Returns bytes per term; ``"total"`` sums all but the XLA-path term. ``n = rows * chunk``.
+    """
+    n = rows * chunk
+    C, D, H, K = cfg.hc_mult, cfg.dim, cfg.n_heads, cfg.head_dim
+    ratios = [cfg.compress_ratios[i] for i in cfg.kv_source_layers]
+    T = max((context // r for r in ratios), default=0)
+    k, F, E = cfg.n_activated_experts, cfg.moe_inter_dim, cfg.n_routed_experts
+    out = {
+        "residual streams": n * C * D * (2 + 2 + 4),
+        "attention": n * (2 * H * K * 2 + (cfg.index_topk + cfg.window_size) * K * 2),
+        "indexer": n * T * (4 + 1),
+        "routed MoE": n * (k * (3 * F * 2 + D * 4) + E * 4),
+        "Engram": (n * ((cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+                        * cfg.engram_head_dim * 2 + (C + 1) * D * 2)
+                   if cfg.engram_layer_ids else 0),
+        "logits": rows * cfg.vocab_size * 4,
+    }
+    out["total"] = sum(out.values())
+    out["indexer per-head dots (XLA path)"] = n * cfg.index_n_heads * T * 2
+    return out
+
+
+# ----------------------------------------------------------------------------- the split rule
+
+
+def rows_per_device(batch: int, devices: int) -> int:
+    """Sequences of the batch one device holds: ``ceil(batch / devices)`` when ``batch >=
+    devices`` (data parallel over the batch), else the whole batch (every device runs every
+    row)."""
+    return -(-batch // devices) if batch >= devices else batch
+
+
+def device_share(kind: str, *, devices: int, n_routed_experts: int, engram: str) -> float:
+    """The fraction of a weight kind's bytes that one device holds, the one split rule of
+    the plan: routed experts split across the devices, whole experts each
+    (``ceil(E / N) / E``: expert parallel); Engram tables replicated (``engram="device"``),
+    split by rows (``"sharded"``) or in host memory (``"host"``: 0 on the device); every other
+    weight replicated (1). The state and the activations are split by :func:`rows_per_device`.
+    """
+    if kind == "routed_experts":
+        return -(-n_routed_experts // devices) / n_routed_experts
+    if kind == "engram_tables":
+        return {"device": 1.0, "sharded": 1.0 / devices, "host": 0.0}[engram]
+    return 1.0
+
+
+def assumptions(cfg, devices: int, engram: str) -> list[str]:
+    """The plan's assumptions, as printed."""
+    e_dev = -(-cfg.n_routed_experts // devices)
+    where = {"device": "on every device (replicated)",
+             "sharded": f"on the devices, rows split {devices} ways",
+             "host": "in host memory (counted per host process, not on the devices)"}[engram]
+    return [
+        f"routed experts split across the {devices} device(s): {e_dev} of "
+        f"{cfg.n_routed_experts} per device (expert parallel); every other weight replicated",
+        f"Engram tables {where}",
+        "state and activations split by data parallelism over the batch when batch >= "
+        "devices (ceil(batch / devices) rows per device), else the whole batch on every device",
+        "weights as the loader places them (stored FP8 / FP4 forms, wo_a in bf16, head and "
+        "ratio-2 compressors in fp32): prepare_params(linears='stored'), the GPU default, keeps "
+        "them; on a CPU ('bf16') the FP8 linears are dequantised, about twice their bytes",
+        "load peak: prepare_params stacks the layers into scanned groups (new arrays) while the "
+        "loaded tree is alive, so the layers' weights are briefly held twice",
+        "activations: a rough estimate of one prefill chunk's largest intermediates "
+        "(activation_bytes); XLA's workspace, fragmentation and compiled-program buffers are not "
+        "counted: keep headroom",
+        "mtp.* (DSpark) is not loaded; GB = 1e9 bytes",
+    ]
+
+
+def plan(cfg, *, batch: int, context: int, devices: int = 1, engram: str = "device",
+         chunk: int = DEFAULT_CHUNK, device_gb: float = 141.0, config_name: str = "") -> dict:
+    """The memory plan of ``cfg`` as a dict (what ``--json`` prints): ``weights`` (total bytes
+    per kind), ``state`` (total bytes per part, whole batch), ``per_device`` (bytes per kind,
+    ``state``, ``activations``, ``total``, ``load_peak``), ``activations`` (per device, by
+    term), ``host`` (bytes in host memory per process), ``fits`` / ``load_fits`` (against
+    ``device_gb`` GB), ``assumptions``.
+
+    Raises ``ValueError`` naming the argument for a batch, context, devices or chunk below 1,
+    a ``device_gb`` not above 0, or an ``engram`` not in :data:`ENGRAM_PLACES`.
+    """
+    for name, v in (("batch", batch), ("context", context), ("devices", devices),
+                    ("chunk", chunk)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if not device_gb > 0:
+        raise ValueError(f"device_gb must be > 0, got {device_gb!r}")
+    if engram not in ENGRAM_PLACES:
+        raise ValueError(f"engram must be one of {ENGRAM_PLACES}, got {engram!r}")
+    from dsv41_jax import checkpoint
+    weights = weight_bytes(cfg)
+    rows = rows_per_device(batch, devices)
+    per_dev = {k: math.ceil(v * device_share(k, devices=devices, engram=engram,
+                                             n_routed_experts=cfg.n_routed_experts))
+               for k, v in weights.items()}
+    state_total = state_bytes(cfg, batch, context)
+    state_dev = sum(state_bytes(cfg, rows, context).values())
+    acts = activation_bytes(cfg, rows, min(chunk, context), context)
+    per_dev_weights = sum(per_dev.values())
+    layer_share = per_dev_weights - per_dev["embed_head"] - per_dev["vision"]
+    per_dev.update(weights=per_dev_weights, state=state_dev, activations=acts["total"])
+    per_dev["total"] = per_dev_weights + state_dev + acts["total"]
+    # the layers' weights (everything under layers/, including Engram tables on the device)
+    # twice while prepare_params stacks them, before the state exists
+    per_dev["load_peak"] = per_dev_weights + layer_share
+    limit = device_gb * GB
+    name, largest = largest_placed_tensor(cfg)
+    block = min(largest, checkpoint.BLOCK_BYTES)
+    host = {"Engram tables": weights["engram_tables"] if engram == "host" else 0,
+            "streamed load: one block (min(largest tensor, 1 GiB)) x 3": 3 * block}
+    return {
+        "config": config_name, "batch": batch, "context": context, "chunk": min(chunk, context),
+        "devices": devices, "engram": engram, "device_gb": device_gb,
+        "rows_per_device": rows,
+        "experts_per_device": -(-cfg.n_routed_experts // devices),
+        "weights": weights, "weights_total": sum(weights.values()),
+        "state": state_total, "state_total": sum(state_total.values()),
+        "activations": acts, "per_device": per_dev,
+        "largest_placed_tensor": {"name": name, "bytes": largest,
+                                  "blocks": -(-largest // block)},
+        "host": host,
+        "fits": per_dev["total"] <= limit, "load_fits": per_dev["load_peak"] <= limit,
+        "free_per_device": limit - per_dev["total"],
+        "assumptions": assumptions(cfg, devices, engram),
+    }
+
+
+def format_plan(p: dict) -> str:
+    """The plan as a table (what the command prints without ``--json``)."""
+    def gb(b):
+        return f"{b / GB:10.2f} GB"
+    pd = p["per_device"]
+    lines = [f"memory plan: {p['config'] or 'config'}, batch {p['batch']}, context "
+             f"{p['context']} tokens, prefill chunk {p['chunk']}, {p['devices']} device(s) of "
+             f"{p['device_gb']:g} GB, Engram tables: {p['engram']}",
+             "", f"{'':44s}{'total':>13s}{'per device':>15s}", "weights"]
+    for k, label in WEIGHT_KINDS.items():
+        lines.append(f"  {label.split(':')[0]:42s}{gb(p['weights'][k])}  {gb(pd[k])}")
+    lines.append(f"  {'all weights':42s}{gb(p['weights_total'])}  {gb(pd['weights'])}")
+    lines.append(f"inference state (batch {p['batch']}; {p['rows_per_device']} row(s) per "
+                 f"device)")
+    for k, v in p["state"].items():
+        lines.append(f"  {k:42s}{gb(v)}")
+    lines.append(f"  {'all state':42s}{gb(p['state_total'])}  {gb(pd['state'])}")
+    a = p["activations"]
+    lines.append(f"activations, one prefill chunk of {p['rows_per_device']} x {p['chunk']} "
+                 f"tokens per device (rough)")
+    for k, v in a.items():
+        if k != "total":
+            lines.append(f"  {k:42s}{'':13s}  {gb(v)}")
+    lines.append(f"  {'total (without the XLA-path term)':42s}{'':13s}  {gb(a['total'])}")
+    lines.append("")
+    verdict = "fits" if p["fits"] else "does NOT fit"
+    lines.append(f"{'per device: weights + state + activations':44s}{'':13s}  {gb(pd['total'])}"
+                 f"  {verdict} in {p['device_gb']:g} GB ({p['free_per_device'] / GB:+.2f} GB "
+                 "free)")
+    verdict = "fits" if p["load_fits"] else "does NOT fit"
+    lines.append(f"{'per device at load (prepare_params stacking)':44s}{'':13s}  "
+                 f"{gb(pd['load_peak'])}  {verdict}")
+    lines.append("host memory per process")
+    for k, v in p["host"].items():
+        lines.append(f"  {k:64s}{gb(v)}")
+    big = p["largest_placed_tensor"]
+    lines.append(f"  (largest placed tensor: {big['name']}, {big['bytes'] / GB:.2f} GB, placed "
+                 f"in {big['blocks']} block{'s' * (big['blocks'] > 1)})")
+    lines.append("assumptions:")
+    lines += [f"  - {s}" for s in p["assumptions"]]
+    return "\n".join(lines)
+
+
+def build_parser():
+    from dsv41_jax.cli.args import Parser, positive_int
+
+    def positive_float(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {v:g}")
+        return v
+
+    default = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                            "configs", "flash.json"))
+    ap = Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=default, help="config.json (default: the release "
+                    "config, configs/flash.json)")
+    ap.add_argument("--batch", type=positive_int, required=True, help="sequences, >= 1")
+    ap.add_argument("--context", type=positive_int, required=True,
+                    help="tokens of state per sequence, >= 1")
+    ap.add_argument("--devices", type=positive_int, default=1, help="devices, >= 1 (default 1)")
+    ap.add_argument("--engram", choices=ENGRAM_PLACES, default="device",
+                    help="Engram tables: replicated on every device (device), split by rows "
+                    "across the devices (sharded), or in host memory (host); default device")
+    ap.add_argument("--chunk", type=positive_int, default=DEFAULT_CHUNK,
+                    help=f"prefill chunk in tokens for the activations (default {DEFAULT_CHUNK})")
+    ap.add_argument("--device-gb", type=positive_float, default=141.0,
+                    help="memory of one device in GB (1e9 bytes; default 141, an H200)")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def main(argv=None) -> int:
+    """``plan_memory.py``: print the plan of ``--config`` (a table, or ``--json``). Returns
+    0, or 1 with a one-line error for a config that does not load."""
+    from dsv41_jax.config import ModelConfig
+
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = ModelConfig.from_json(args.config)
+        p = plan(cfg, batch=args.batch, context=args.context, devices=args.devices,
+                 engram=args.engram, chunk=args.chunk, device_gb=args.device_gb,
+                 config_name=args.config)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(p, indent=1) if args.json else format_plan(p))
+    return 0
