@@ -49,20 +49,20 @@ def _close(got, want):
     assert np.mean(got == want) > 0.9
 
 
-@pytest.mark.parametrize("sizes, P, K, block_m", [
-    ((7, 0, 13), 20, 128, 8),          # an empty expert, groups straddling token tiles
-    ((0, 40, 0, 1), 45, 192, 16),      # one crowded expert, rows past the total (zeros)
-    ((3, 2, 1), 6, 64, None),          # a decode step: 6 pairs, one K step
-    ((33, 0, 64, 31), 128, 256, 32),   # full and partial tiles, 4 K steps
+@pytest.mark.parametrize("sizes, P, K, block_m, k_splits", [
+    ((7, 0, 13), 20, 128, 8, 1),          # an empty expert, groups straddling token tiles
+    ((0, 40, 0, 1), 45, 192, 16, 1),      # one crowded expert, rows past the total (zeros)
+    ((3, 2, 1), 6, 256, None, None),      # a decode step: 6 pairs, K split in 2 (default)
+    ((33, 0, 64, 31), 128, 256, 32, 2),   # full and partial tiles, 2 splits of 2 K steps
 ])
-def test_interpret_matches_reference(sizes, P, K, block_m):
+def test_interpret_matches_reference(sizes, P, K, block_m, k_splits):
     rng = np.random.default_rng(len(sizes) + K)
     E, N = len(sizes), 128
     codes, scale = _experts(rng, E, N, K)
     x = jnp.asarray(rng.normal(0, 1, (P, K)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     want = np.asarray(reference.fp4_grouped_matmul(x, codes, scale, gs), np.float32)
-    got = _kernel(x, gm.prepare_experts(codes, scale), gs, block_m=block_m)
+    got = _kernel(x, gm.prepare_experts(codes, scale), gs, block_m=block_m, k_splits=k_splits)
     _close(got, want)
     assert (got[sum(sizes):] == 0).all()
 
@@ -110,6 +110,11 @@ def test_padding_plan():
     np.testing.assert_array_equal(np.asarray(te), [0, 2, 2, 3, -1, -1, -1])
     assert mg.pick_block_m(6, 384) == 8 and mg.pick_block_m(24 * 1024, 384) == 64
     assert mg.pick_block_m(10 ** 6, 16) == 128
+    # a decode step splits K until the CTAs cover the GPU twice; a prefill does not split
+    assert mg.pick_k_splits(6, 16, 512, 2048) == 16      # 24 CTAs -> 384, 2 K steps each
+    assert mg.pick_k_splits(6, 384, 2304, 5120) == 4     # 108 CTAs -> 432
+    assert mg.pick_k_splits(6, 16, 512, 256) == 2        # at most K / 128 splits
+    assert mg.pick_k_splits(24576, 16, 512, 2048) == 1
 
 
 def test_refusals():
@@ -160,9 +165,10 @@ def test_moe_on_a_stack_in_kernel_form(tokens):
             np.testing.assert_array_equal(got, want)
         else:
             np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
-    real = gm.grouped_matmul
-    with mock.patch.object(gm, "grouped_matmul",
-                           lambda *a, **kw: real(*a, impl="gpu_interpret", **kw)):
+    real = gm.padded_matmul
+    with mock.patch.object(gm, "uses_kernel", lambda w, impl="auto": True), \
+            mock.patch.object(gm, "padded_matmul",
+                              lambda *a, **kw: real(*a, interpret=True, **kw)):
         got = np.asarray(moe_layer.moe(x, kernel, cfg, None, impl="routed")[0], np.float32)
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
 

@@ -115,27 +115,52 @@ def _grouped_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
     """The routed experts as grouped matmuls over the (token, expert) pairs only: the pairs
     sorted by expert id (stable), one grouped matmul per expert projection, the outputs put
     back per token and summed in fp32 in increasing expert id (the reference's order; within
-    one product only the summation order may differ from :func:`expert`)."""
+    one product only the summation order may differ from :func:`expert`). Experts in the GPU
+    kernel's form on a GPU: the pairs laid out once in the kernel's padded layout for all
+    three projections (:func:`_padded_experts`)."""
     N, k = idx.shape
     E = next(v for key, v in experts["w1"].items() if key != "at").shape[-3]
     flat_e = idx.reshape(-1)
     perm = jnp.argsort(flat_e, stable=True)                      # pairs sorted by expert
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    xs = x[perm // k]                                            # [P, D] the pairs' tokens
     ws = w.reshape(-1)[perm]
-    g = _grouped_linear(xs, experts["w1"], group_sizes).astype(F32)
-    up = _grouped_linear(xs, experts["w3"], group_sizes).astype(F32)
-    if limit > 0:
-        up = jnp.clip(up, -limit, limit)
-        g = jnp.minimum(g, limit)
-    a = (jax.nn.silu(g) * up * ws[:, None]).astype(BF16)
-    ys = _grouped_linear(a, experts["w2"], group_sizes)          # bf16 [P, D], sorted
+    if grouped_matmul.uses_kernel(experts["w1"]):
+        ys = _padded_experts(x, experts, perm // k, ws, group_sizes, limit)
+    else:
+        xs = x[perm // k]                                        # [P, D] the pairs' tokens
+        g = _grouped_linear(xs, experts["w1"], group_sizes).astype(F32)
+        up = _grouped_linear(xs, experts["w3"], group_sizes).astype(F32)
+        a = _swiglu(g, up, ws, limit)
+        ys = _grouped_linear(a, experts["w2"], group_sizes)      # bf16 [P, D], sorted
     y = jnp.zeros_like(ys).at[perm].set(ys).reshape(N, k, -1)    # back in top-k order
     y = jnp.take_along_axis(y, jnp.argsort(idx, axis=-1)[..., None], axis=1)
     acc = jnp.zeros(x.shape, F32)
     for j in range(k):
         acc = acc + y[:, j].astype(F32)
     return acc
+
+
+def _swiglu(g, up, ws, limit: float):
+    """The expert's clamped SwiGLU times the routing weight (fp32 in, bf16 out)."""
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        g = jnp.minimum(g, limit)
+    return (jax.nn.silu(g) * up * ws[:, None]).astype(BF16)
+
+
+def _padded_experts(x: Float[Array, "N D"], experts: dict, token: Int[Array, "P"],
+                    ws: Float[Array, "P"], group_sizes: Int[Array, "E"], limit: float
+                    ) -> Float[Array, "P D"]:
+    """:func:`_grouped_experts`' three projections on the GPU kernel: the pairs (token of
+    each, sorted by expert) scattered once into the kernel's padded layout, the activations
+    kept in it between the projections, the outputs gathered back once (bf16 ``[P, D]``)."""
+    pad = grouped_matmul.padding(group_sizes, token.shape[0])
+    xp = pad.pad(quant.act_quant_qdq(x, 32)[token])              # the FP8 QDQ rows, padded
+    g = grouped_matmul.padded_matmul(xp, experts["w1"], pad).T.astype(F32)
+    up = grouped_matmul.padded_matmul(xp, experts["w3"], pad).T.astype(F32)
+    a = _swiglu(g, up, pad.pad(ws[:, None])[:, 0], limit)
+    y = grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad).T
+    return pad.unpad(y)
 
 
 MOE_IMPLS = ("dense", "routed")

@@ -20,6 +20,8 @@ form, ``"xla"`` otherwise).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, BFloat16, Int
@@ -28,7 +30,8 @@ from pallas_kernels import impls
 from pallas_kernels.fp4.reference import BF16, F32
 from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tpu
 
-__all__ = ["grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form", "dequant"]
+__all__ = ["grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form", "dequant",
+           "in_layer", "Padding", "padding", "padded_matmul", "uses_kernel"]
 
 prepare_experts = mosaic_gpu.prepare_experts
 
@@ -65,12 +68,77 @@ def dequant(w: dict, dtype=BF16) -> jax.Array:
     return (v * s).astype(dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """The GPU kernel's block-aligned row layout for one set of group sizes
+    (:func:`mosaic_gpu.pad_groups`): row ``p`` of the grouped rows goes to padded row
+    ``dest[p]``, token tile ``t`` belongs to expert ``tile_expert[t]`` (-1: unused)."""
+    dest: Int[Array, "P"]
+    tile_expert: Int[Array, "T"]
+    block_m: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def rows(self) -> int:
+        return self.tile_expert.shape[0] * self.block_m
+
+    def pad(self, x: jax.Array) -> jax.Array:
+        """Grouped rows ``[P, K]`` -> padded ``[R, K]`` (padding rows 0)."""
+        return jnp.zeros((self.rows, x.shape[1]), x.dtype).at[self.dest].set(x, mode="drop")
+
+    def unpad(self, y: jax.Array) -> jax.Array:
+        """Padded rows ``[R, N]`` -> grouped ``[P, N]`` (rows past the groups' total: 0)."""
+        keep = self.dest < self.rows
+        return jnp.where(keep[:, None], y[jnp.minimum(self.dest, self.rows - 1)], 0)
+
+
+def padding(group_sizes: Int[Array, "E"], rows: int, block_m: int | None = None) -> Padding:
+    """The padded layout of ``rows`` grouped rows (token tile: ``block_m`` or
+    :func:`mosaic_gpu.pick_block_m`)."""
+    bm = block_m or mosaic_gpu.pick_block_m(rows, group_sizes.shape[0])
+    dest, tile_expert = mosaic_gpu.pad_groups(group_sizes, rows, bm)
+    return Padding(dest, tile_expert, bm)
+
+
+def uses_kernel(w: dict, impl: str = "auto") -> bool:
+    """Whether :func:`grouped_matmul` with ``impl`` runs the GPU kernel on ``w``."""
+    impl = impls.check_family(impl)
+    if impl == "auto":
+        return impls.on_gpu() and is_kernel_form(w)
+    return impls.platform(impl) == "gpu"
+
+
+def padded_matmul(xp: BFloat16[Array, "R K"], w: dict, pad: Padding, *, interpret: bool = False,
+                  k_splits: int | None = None, max_concurrent_steps: int = 4
+                  ) -> BFloat16[Array, "N R"]:
+    """The GPU kernel on rows already in the padded layout: ``Y^T`` ``[N, R]`` (bf16), columns
+    of padding rows 0 or undefined (never read back by :meth:`Padding.unpad`). ``w`` in the
+    kernel form, possibly a stack with ``"at"``. ``k_splits``: default
+    :func:`mosaic_gpu.pick_k_splits`."""
+    if not is_kernel_form(w):
+        raise ValueError("grouped_matmul: the GPU kernel needs the kernel form of the experts "
+                         "(prepare_experts)")
+    E = w["i4"].shape[-3]
+    tile_expert = pad.tile_expert
+    if "at" in w:           # a stack of layers read in place: experts numbered across it
+        tile_expert = jnp.where(tile_expert >= 0, tile_expert + w["at"] * E, -1)
+        w = {k: w[k].reshape(-1, *w[k].shape[-2:]) for k in ("i4", "scale_t")}
+    N, K = w["i4"].shape[-2:]
+    splits = k_splits or mosaic_gpu.pick_k_splits(len(pad.dest), E, N, K)
+    yt = mosaic_gpu.grouped_matmul_t(xp, w, tile_expert, block_m=pad.block_m, k_splits=splits,
+                                     max_concurrent_steps=max_concurrent_steps,
+                                     interpret=interpret)
+    return yt if splits == 1 else jnp.sum(yt, axis=0).astype(BF16)
+
+
 def grouped_matmul(x: BFloat16[Array, "P K"], w: dict, group_sizes: Int[Array, "E"], *,
-                   impl: str = "auto", block_m: int | None = None,
+                   impl: str = "auto", block_m: int | None = None, k_splits: int | None = None,
                    max_concurrent_steps: int = 4) -> BFloat16[Array, "P N"]:
-    """See the module docstring. ``block_m``: the GPU kernel's token tile (default
-    :func:`mosaic_gpu.pick_block_m`). Raises ``ValueError`` for an unknown ``impl``, or with
-    ``impl="gpu"`` for the stored form or shapes the kernel does not tile."""
+    """See the module docstring. GPU tuning: ``block_m`` (token tile, default
+    :func:`mosaic_gpu.pick_block_m`), ``k_splits`` (default :func:`mosaic_gpu.pick_k_splits`),
+    ``max_concurrent_steps``. Raises ``ValueError`` for an unknown ``impl``, or with
+    ``impl="gpu"`` for the stored form or shapes the kernel does not tile (``impl="tpu"``:
+    the kernel form)."""
     impl = impls.check_family(impl)
     kernel_form = is_kernel_form(w)
     if impl == "auto":
@@ -90,18 +158,7 @@ def grouped_matmul(x: BFloat16[Array, "P K"], w: dict, group_sizes: Int[Array, "
     if not kernel_form:
         raise ValueError("grouped_matmul: the GPU kernel needs the kernel form of the experts "
                          "(prepare_experts)")
-    P, K = x.shape
-    E = group_sizes.shape[0]
-    bm = block_m or mosaic_gpu.pick_block_m(P, E)
-    dest, tile_expert = mosaic_gpu.pad_groups(group_sizes, P, bm)
-    if "at" in w:           # a stack of layers read in place: experts numbered across it
-        tile_expert = jnp.where(tile_expert >= 0, tile_expert + w["at"] * E, -1)
-        w = {k: w[k].reshape(-1, *w[k].shape[-2:]) for k in ("i4", "scale_t")}
-    xp = jnp.zeros((tile_expert.shape[0] * bm, K), BF16).at[dest].set(x.astype(BF16),
-                                                                      mode="drop")
-    yt = mosaic_gpu.grouped_matmul_t(xp, w, tile_expert, block_m=bm,
-                                     max_concurrent_steps=max_concurrent_steps,
-                                     interpret=impls.interpret(impl))
-    total = jnp.sum(group_sizes)
-    y = jnp.take(yt, jnp.minimum(dest, yt.shape[1] - 1), axis=1).T
-    return jnp.where((jnp.arange(P) < total)[:, None], y, 0).astype(BF16)
+    pad = padding(group_sizes, x.shape[0], block_m)
+    yt = padded_matmul(pad.pad(x.astype(BF16)), w, pad, interpret=impls.interpret(impl),
+                       k_splits=k_splits, max_concurrent_steps=max_concurrent_steps)
+    return pad.unpad(yt.T).astype(BF16)

@@ -101,12 +101,28 @@ def pad_groups(group_sizes: Int[Array, "E"], rows: int, block_m: int):
     return dest, jnp.where(te < E, te, -1)
 
 
+def pick_k_splits(rows: int, experts: int, n: int, k: int, sms: int = 132) -> int:
+    """K splits for a call of ``rows`` rows over ``experts`` experts (``n`` outputs, ``k``
+    inputs): enough CTAs to keep every SM streaming when few experts have tokens (a decode
+    step), 1 when the token tiles alone fill the GPU. A power of two, each split at least two
+    K steps."""
+    tiles = max(min(rows, experts), -(-rows // pick_block_m(rows, experts)))
+    ctas = tiles * (n // BLOCK_N)
+    splits = 1
+    while ctas * splits < 2 * sms and k // (2 * splits) >= 2 * BLOCK_K and k % (2 * splits * BLOCK_K) == 0:
+        splits *= 2
+    return splits
+
+
 def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block_m,
-            x_transposed, max_concurrent_steps):
+            k_splits, max_concurrent_steps):
     a_smem = scratch[0] if scratch else None
     t = lax.axis_index("t")
     n = lax.axis_index("n")
+    ks = lax.axis_index("k")
     e = tile_expert_gmem[t]
+    steps = K // BLOCK_K // k_splits
+    out_dtype = BF16 if k_splits == 1 else F32
 
     @pl.when(e >= 0)
     def _():
@@ -124,67 +140,68 @@ def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block
                 if a_smem is not None:      # interpret mode: wgmma's A from shared memory
                     a_smem[...] = w
                     w = a_smem
-                plgpu.wgmma(acc_ref, w, x_smem if x_transposed else x_smem.T)
+                plgpu.wgmma(acc_ref, w, x_smem.T)
                 plgpu.wgmma_wait(0)
 
-            x_spec = (plgpu.BlockSpec((BLOCK_K, block_m), lambda k: (k, t)) if x_transposed
-                      else plgpu.BlockSpec((block_m, BLOCK_K), lambda k: (t, k)))
+            k0 = ks * steps
             plgpu.emit_pipeline(
                 step,
-                grid=(K // BLOCK_K,),
+                grid=(steps,),
                 in_specs=[
-                    x_spec,
-                    plgpu.BlockSpec((BLOCK_N, BLOCK_K), lambda k: (n, k)),
-                    plgpu.BlockSpec((BLOCK_K // 32, BLOCK_N), lambda k: (k, n)),
+                    plgpu.BlockSpec((block_m, BLOCK_K), lambda k: (t, k0 + k)),
+                    plgpu.BlockSpec((BLOCK_N, BLOCK_K), lambda k: (n, k0 + k)),
+                    plgpu.BlockSpec((BLOCK_K // 32, BLOCK_N), lambda k: (k0 + k, n)),
                 ],
-                max_concurrent_steps=max_concurrent_steps,
+                max_concurrent_steps=min(max_concurrent_steps, steps),
             )(x_gmem, w_gmem.at[e], s_gmem.at[e])
             return acc_ref[...]
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_N, block_m), F32))
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_N, block_m), BF16))
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_N, block_m), out_dtype))
         def _store(o_smem):
-            o_smem[...] = acc.astype(BF16)
+            o_smem[...] = acc.astype(out_dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
-                o_smem, o_gmem.at[pl.ds(n * BLOCK_N, BLOCK_N), pl.ds(t * block_m, block_m)])
+                o_smem, o_gmem.at[ks, pl.ds(n * BLOCK_N, BLOCK_N), pl.ds(t * block_m, block_m)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array, "T"], *,
-                     block_m: int, x_transposed: bool = False, max_concurrent_steps: int = 4,
-                     interpret: bool = False) -> BFloat16[Array, "N R"]:
-    """``Y^T`` for the padded layout: ``Y^T[:, r] = W[e(r)] @ x[r]`` (fp32 accumulation, bf16
-    out) for every row ``r`` of a used tile (``e(r) = tile_expert[r // block_m]``); the
-    columns of unused tiles are left unwritten (their values are undefined).
+                     block_m: int, k_splits: int = 1, max_concurrent_steps: int = 4,
+                     interpret: bool = False) -> Array:
+    """``Y^T`` for the padded layout: ``Y^T[:, r] = W[e(r)] @ x[r]`` (fp32 accumulation) for
+    every row ``r`` of a used tile (``e(r) = tile_expert[r // block_m]``); the columns of
+    unused tiles are left unwritten (their values are undefined). Returns bf16 ``[N, R]``,
+    or with ``k_splits > 1`` the fp32 partial sums ``[k_splits, N, R]`` of each K split.
 
-    ``x``: bf16 ``[R, K]`` with ``R = T * block_m`` (or ``[K, R]`` with ``x_transposed``);
-    ``w``: the kernel form of :func:`prepare_experts`. Raises ``ValueError`` for shapes the
-    kernel does not tile."""
+    ``x``: bf16 ``[R, K]`` with ``R = T * block_m``; ``w``: the kernel form of
+    :func:`prepare_experts`. Raises ``ValueError`` for shapes the kernel does not tile."""
     i4, s = w["i4"], w["scale_t"]
     E, N, K = i4.shape
     T = tile_expert.shape[0]
-    R, Kx = x.shape[::-1] if x_transposed else x.shape
+    R, Kx = x.shape
     if block_m not in BLOCK_MS:
         raise ValueError(f"grouped_matmul_t: block_m={block_m} must be one of {BLOCK_MS}")
     if Kx != K or R != T * block_m:
         raise ValueError(f"grouped_matmul_t: x {x.shape} does not match K={K} and "
                          f"{T} tiles of {block_m} rows")
-    if K % BLOCK_K or N % BLOCK_N:
-        raise ValueError(f"grouped_matmul_t: K={K} must be a multiple of {BLOCK_K}, "
-                         f"N={N} of {BLOCK_N}")
-    kernel = functools.partial(_kernel, K=K, block_m=block_m, x_transposed=x_transposed,
-                               max_concurrent_steps=min(max_concurrent_steps, K // BLOCK_K))
+    if K % (BLOCK_K * k_splits) or N % BLOCK_N:
+        raise ValueError(f"grouped_matmul_t: K={K} must be a multiple of {BLOCK_K} x "
+                         f"k_splits={k_splits}, N={N} of {BLOCK_N}")
+    kernel = functools.partial(_kernel, K=K, block_m=block_m, k_splits=k_splits,
+                               max_concurrent_steps=max_concurrent_steps)
+    out = jax.ShapeDtypeStruct((k_splits, N, R), BF16 if k_splits == 1 else F32)
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((N, R), BF16),
-        grid=(T, N // BLOCK_N),
-        grid_names=("t", "n"),
+        out_type=out,
+        grid=(T, N // BLOCK_N, k_splits),
+        grid_names=("t", "n", "k"),
         # interpret mode's wgmma takes A from shared memory only: stage the tile there
         scratch_types=[plgpu.SMEM((BLOCK_N, BLOCK_K), BF16)] if interpret else [],
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return call(tile_expert.astype(jnp.int32), x.astype(BF16), i4, s)
+    y = call(tile_expert.astype(jnp.int32), x.astype(BF16), i4, s)
+    return y[0] if k_splits == 1 else y
