@@ -155,12 +155,12 @@ def _padded_experts(x: Float[Array, "N D"], experts: dict, token: Int[Array, "P"
     each, sorted by expert) scattered once into the kernel's padded layout, the activations
     kept in it between the projections, the outputs gathered back once (bf16 ``[P, D]``)."""
     pad = grouped_matmul.padding(group_sizes, token.shape[0])
-    xp = pad.pad(quant.act_quant_qdq(x, 32)[token])              # the FP8 QDQ rows, padded
-    g = grouped_matmul.padded_matmul(xp, experts["w1"], pad).T.astype(F32)
-    up = grouped_matmul.padded_matmul(xp, experts["w3"], pad).T.astype(F32)
-    a = _swiglu(g, up, pad.pad(ws[:, None])[:, 0], limit)
-    y = grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad).T
-    return pad.unpad(y)
+    xp = pad.pad(quant.act_quant_qdq(x, 32), token)            # the FP8 QDQ rows, padded
+    gt = grouped_matmul.padded_matmul(xp, experts["w1"], pad).astype(F32)    # [F, R]
+    upt = grouped_matmul.padded_matmul(xp, experts["w3"], pad).astype(F32)
+    a = _swiglu(gt.T, upt.T, pad.pad(ws), limit)
+    yt = grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad)
+    return pad.unpad_t(yt)
 
 
 MOE_IMPLS = ("dense", "routed")
@@ -180,8 +180,8 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
     reference's fp32 accumulation order (increasing expert id, the shared expert last, one
     bf16 rounding); the gathered and dense paths bit for bit, the routed one up to the
     summation order inside each product. Experts in the grouped matmul's kernel form
-    (``prepare_params(..., experts="kernel")``) with ``"routed"`` take every pair, however few,
-    through :func:`pallas_kernels.grouped_matmul.grouped_matmul`. Raises ``ValueError`` for an
+    (``prepare_params(..., experts="kernel")``) run the routed path through the GPU kernel
+    (:mod:`pallas_kernels.grouped_matmul`). Raises ``ValueError`` for an
     unknown ``impl``. See docs/architecture.md, "Mixture of experts".
     """
     if impl not in MOE_IMPLS:
@@ -190,8 +190,9 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
     idx, w = gate(x, p["gate"], cfg, image_mask, k)
     n_exp = p["gate"]["weight"].shape[0]
     experts = p["experts"]
-    if impl == "routed" and grouped_matmul.is_kernel_form(experts["w1"]):
-        # every pair through the grouped matmul: a few tokens stream only their experts
+    if (impl == "routed" and grouped_matmul.is_kernel_form(experts["w1"])
+            and x.shape[0] * k >= n_exp):
+        # the stacks handed on whole: the grouped matmul reads them in place
         acc = _grouped_experts(x, experts, idx, w, cfg.swiglu_limit)
         return _with_shared(acc, x, p, cfg), idx, w
     experts = {name: grouped_matmul.in_layer(v) for name, v in experts.items()}

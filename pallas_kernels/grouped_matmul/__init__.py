@@ -72,9 +72,11 @@ def dequant(w: dict, dtype=BF16) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Padding:
     """The GPU kernel's block-aligned row layout for one set of group sizes
-    (:func:`mosaic_gpu.pad_groups`): row ``p`` of the grouped rows goes to padded row
-    ``dest[p]``, token tile ``t`` belongs to expert ``tile_expert[t]`` (-1: unused)."""
+    (:func:`mosaic_gpu.pad_groups`): grouped row ``p`` goes to padded row ``dest[p]`` (``R``:
+    none), padded row ``r`` holds grouped row ``src[r]`` (``P``: a padding row), token tile
+    ``t`` belongs to expert ``tile_expert[t]`` (-1: unused)."""
     dest: Int[Array, "P"]
+    src: Int[Array, "R"]
     tile_expert: Int[Array, "T"]
     block_m: int = dataclasses.field(metadata=dict(static=True))
 
@@ -82,14 +84,22 @@ class Padding:
     def rows(self) -> int:
         return self.tile_expert.shape[0] * self.block_m
 
-    def pad(self, x: jax.Array) -> jax.Array:
-        """Grouped rows ``[P, K]`` -> padded ``[R, K]`` (padding rows 0)."""
-        return jnp.zeros((self.rows, x.shape[1]), x.dtype).at[self.dest].set(x, mode="drop")
+    def pad(self, x: jax.Array, index: jax.Array | None = None) -> jax.Array:
+        """Grouped rows ``[P, K]`` -> padded ``[R, K]`` (padding rows 0), by a gather; with
+        ``index`` [P], the grouped rows are ``x[index]`` (one gather from ``x``)."""
+        P = self.dest.shape[0]
+        keep = self.src < P
+        src = jnp.minimum(self.src, P - 1)
+        rows = src if index is None else index[src]
+        return jnp.where(keep.reshape(-1, *[1] * (x.ndim - 1)), x[rows], 0).astype(x.dtype)
 
-    def unpad(self, y: jax.Array) -> jax.Array:
-        """Padded rows ``[R, N]`` -> grouped ``[P, N]`` (rows past the groups' total: 0)."""
+    def unpad_t(self, yt: jax.Array) -> jax.Array:
+        """Padded columns ``[N, R]`` (the kernel's ``Y^T``) -> grouped rows ``[P, N]`` (rows
+        past the groups' total: 0): a gather of columns in increasing order, then a plain
+        transpose."""
         keep = self.dest < self.rows
-        return jnp.where(keep[:, None], y[jnp.minimum(self.dest, self.rows - 1)], 0)
+        y = jnp.take(yt, jnp.minimum(self.dest, self.rows - 1), axis=1).T
+        return jnp.where(keep[:, None], y, 0).astype(yt.dtype)
 
 
 def padding(group_sizes: Int[Array, "E"], rows: int, block_m: int | None = None) -> Padding:
@@ -97,7 +107,10 @@ def padding(group_sizes: Int[Array, "E"], rows: int, block_m: int | None = None)
     :func:`mosaic_gpu.pick_block_m`)."""
     bm = block_m or mosaic_gpu.pick_block_m(rows, group_sizes.shape[0])
     dest, tile_expert = mosaic_gpu.pad_groups(group_sizes, rows, bm)
-    return Padding(dest, tile_expert, bm)
+    R = tile_expert.shape[0] * bm
+    src = jnp.full((R,), rows, jnp.int32).at[dest].set(jnp.arange(rows, dtype=jnp.int32),
+                                                         mode="drop")
+    return Padding(dest, src, tile_expert, bm)
 
 
 def uses_kernel(w: dict, impl: str = "auto") -> bool:
@@ -112,7 +125,7 @@ def padded_matmul(xp: BFloat16[Array, "R K"], w: dict, pad: Padding, *, interpre
                   k_splits: int | None = None, max_concurrent_steps: int = 4
                   ) -> BFloat16[Array, "N R"]:
     """The GPU kernel on rows already in the padded layout: ``Y^T`` ``[N, R]`` (bf16), columns
-    of padding rows 0 or undefined (never read back by :meth:`Padding.unpad`). ``w`` in the
+    of padding rows 0 or undefined (never read back by :meth:`Padding.unpad_t`). ``w`` in the
     kernel form, possibly a stack with ``"at"``. ``k_splits``: default
     :func:`mosaic_gpu.pick_k_splits`."""
     if not is_kernel_form(w):
@@ -161,4 +174,4 @@ def grouped_matmul(x: BFloat16[Array, "P K"], w: dict, group_sizes: Int[Array, "
     pad = padding(group_sizes, x.shape[0], block_m)
     yt = padded_matmul(pad.pad(x.astype(BF16)), w, pad, interpret=impls.interpret(impl),
                        k_splits=k_splits, max_concurrent_steps=max_concurrent_steps)
-    return pad.unpad(yt.T).astype(BF16)
+    return pad.unpad_t(yt).astype(BF16)

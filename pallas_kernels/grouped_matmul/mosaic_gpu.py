@@ -197,6 +197,7 @@ def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array,
         out_type=out,
         grid=(T, N // BLOCK_N, k_splits),
         grid_names=("t", "n", "k"),
+        kernel_name="fp4_grouped_matmul",
         # interpret mode's wgmma takes A from shared memory only: stage the tile there
         scratch_types=[plgpu.SMEM((BLOCK_N, BLOCK_K), BF16)] if interpret else [],
         compiler_params=plgpu.CompilerParams(
