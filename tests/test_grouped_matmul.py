@@ -232,3 +232,13 @@ def test_model_decode_lowers_with_kernel(kernel_cfg_params):
                                 kernel, s, jnp.zeros((batch,), jnp.int32))
         counts[batch] = text.count("fp4_grouped_matmul")
     assert counts[1] == 0 and counts[cfg.n_routed_experts // cfg.n_activated_experts] > 0
+
+
+def test_benchmark_rows():
+    from benchmarks import grouped_matmul as bench
+    assert bench.parse_row("rel w1 b64") == (384, 2304, 5120, 64)
+    assert bench.parse_row("mid w2 4K") == (16, 2048, 512, 4096)
+    with pytest.raises(ValueError, match="unknown row"):
+        bench.parse_row("rel w4 b64")
+    with pytest.raises(ValueError, match="unknown row"):
+        bench.main(["--rows", "mid w1 3K"])

@@ -196,6 +196,21 @@ def test_events_to_groups_device(tool):
         ("custom-call.4", "moe", "custom-call")
 
 
+def test_unclaimed_kernels_grouped_by_name(tool):
+    """Pallas kernels no instruction claims (their events name no custom call) go to their
+    group by name; cuBLAS GEMMs and copies stay unmatched."""
+    h = tool.parse_hlo(HLO)
+    events = [_ev("csa2_sparse_attention_rows_mgpu_mosaic_gpu_kernel", 8.0),
+              _ev("fp4_grouped_matmul_mosaic_gpu_kernel", 4.0),
+              _ev("nvjet_sm90_tss_176x128", 2.0), _ev("MemcpyDtoD", 2.0)]
+    rows = {r["group"]: r for r in tool.group_table(events, 1, h)}
+    assert rows["attention"]["ms"] == pytest.approx(0.008)
+    assert rows["moe"]["ms"] == pytest.approx(0.004)
+    assert rows["unmatched"]["kernels"] == 2.0
+    top = tool.instruction_table(events, 1, h, 4)
+    assert [t["group"] for t in top] == ["attention", "moe", "unmatched", "unmatched"]
+
+
 def test_events_to_groups_cpu(tool):
     """No device streams: the host events of the module's own non-loop instructions."""
     h = tool.parse_hlo(HLO)

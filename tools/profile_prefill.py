@@ -93,6 +93,15 @@ SOURCE_GROUPS = (
 OP_NAME_GROUPS = (
     ("ragged_dot", "moe"),
 )
+# (fragment of a kernel's name, group) for a kernel that no instruction claims: the Pallas
+# kernels carry their own names, and on a GPU their trace events may not name their custom call.
+KERNEL_NAME_GROUPS = (
+    ("csa2_sparse_attention", "attention"),
+    ("csa2_merge_splits", "attention"),
+    ("csa2_indexer", "indexer"),
+    ("fp4_grouped_matmul", "moe"),
+    ("fp8_stacked_gemv", "projections"),
+)
 # (inner, outer): an instruction whose innermost classified frame is of group ``inner`` takes
 # group ``outer`` where a frame further out is of that group: the experts' matmuls (dense
 # routed experts and the shared expert) go through layers.linear, but they are the MoE's.
@@ -394,13 +403,19 @@ def split_events(events: list[dict], hlo: HloIndex) -> tuple[str, list[dict]]:
     return "host thunks", host
 
 
+def kernel_group(name: str) -> str:
+    """The group of a kernel no instruction claims, by its name (:data:`KERNEL_NAME_GROUPS`);
+    :data:`UNMATCHED` where no fragment matches (cuBLAS GEMMs, memory copies)."""
+    return next((g for frag, g in KERNEL_NAME_GROUPS if frag in name), UNMATCHED)
+
+
 def group_table(events: list[dict], calls: int, hlo: HloIndex) -> list[dict]:
     """Per group (:data:`GROUPS`, then :data:`UNMATCHED`, in that order) of the ``events`` of
     a trace of ``calls`` calls: ``kernels`` and ``ms`` per call and ``share`` of their sum.
     Raises ``ValueError`` for ``calls`` < 1."""
     def key(e):
         ins = match_instruction(e, hlo)
-        return UNMATCHED if ins is None else ins.group
+        return kernel_group(e.get("name", "")) if ins is None else ins.group
     _, total, rows = kernel_table(events, calls, key=key, select=lambda e: True)
     per = {g: (n, ms) for g, n, ms in rows}
     return [{"group": g, "kernels": per.get(g, (0, 0.0))[0], "ms": per.get(g, (0, 0.0))[1],
@@ -418,7 +433,7 @@ def instruction_table(events: list[dict], calls: int, hlo: HloIndex, top: int) -
     out = []
     for (flag, name), n, ms in rows[:top]:
         ins = None if flag else hlo.instructions[name]
-        out.append({"name": name, "group": UNMATCHED if ins is None else ins.group,
+        out.append({"name": name, "group": kernel_group(name) if ins is None else ins.group,
                     "source": "" if ins is None else ins.source,
                     "opcode": "" if ins is None else ins.opcode,
                     "via": "" if ins is None else ins.via, "kernels": n, "ms": ms})
@@ -535,7 +550,8 @@ def format_row(r: dict) -> list[str]:
     what = ("the device streams' kernels" if r["split_source"] == "device streams" else
             "the host events of the CPU runtime's thunks (CPU ms summed over threads)")
     matched = ("" if r["matched_share"] is None else
-               f"; {100 * r['matched_share']:.1f}% of it matched to an HLO instruction")
+               f"; {100 * r['matched_share']:.1f}% of it matched to an HLO instruction or a "
+               "kernel's name")
     out.append(f"    (split of {r['split_ms']:.3f} ms per call from {what}{matched})")
     for i in r["instructions"]:
         out.append(f"    {i['ms']:9.3f} ms x{i['kernels']:6.1f}  {i['group']:<12} "

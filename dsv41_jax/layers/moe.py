@@ -124,16 +124,22 @@ def _grouped_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
     perm = jnp.argsort(flat_e, stable=True)                      # pairs sorted by expert
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     ws = w.reshape(-1)[perm]
+    # each token's pairs in increasing expert id -> their positions in the sorted order
+    pairs = (jnp.arange(N)[:, None] * k + jnp.argsort(idx, axis=-1)).reshape(-1)
+    pos = jnp.zeros_like(perm).at[perm].set(jnp.arange(N * k, dtype=perm.dtype))[pairs]
     if grouped_matmul.uses_kernel(experts["w1"]):
-        ys = _padded_experts(x, experts, perm // k, ws, group_sizes, limit)
-    else:
-        xs = x[perm // k]                                        # [P, D] the pairs' tokens
-        g = _grouped_linear(xs, experts["w1"], group_sizes).astype(F32)
-        up = _grouped_linear(xs, experts["w3"], group_sizes).astype(F32)
-        a = _swiglu(g, up, ws, limit)
-        ys = _grouped_linear(a, experts["w2"], group_sizes)      # bf16 [P, D], sorted
-    y = jnp.zeros_like(ys).at[perm].set(ys).reshape(N, k, -1)    # back in top-k order
-    y = jnp.take_along_axis(y, jnp.argsort(idx, axis=-1)[..., None], axis=1)
+        yt, pad = _padded_experts(x, experts, perm // k, ws, group_sizes, limit)
+        y = jnp.take(yt, pad.dest[pos], axis=1).reshape(-1, N, k)        # [D, N, k], gathered
+        acc = jnp.zeros(y.shape[:2], F32)
+        for j in range(k):
+            acc = acc + y[..., j].astype(F32)
+        return acc.T
+    xs = x[perm // k]                                            # [P, D] the pairs' tokens
+    g = _grouped_linear(xs, experts["w1"], group_sizes).astype(F32)
+    up = _grouped_linear(xs, experts["w3"], group_sizes).astype(F32)
+    a = _swiglu(g, up, ws, limit)
+    ys = _grouped_linear(a, experts["w2"], group_sizes)          # bf16 [P, D], sorted
+    y = ys[pos].reshape(N, k, -1)                                # per token, by expert id
     acc = jnp.zeros(x.shape, F32)
     for j in range(k):
         acc = acc + y[:, j].astype(F32)
@@ -149,18 +155,17 @@ def _swiglu(g, up, ws, limit: float):
 
 
 def _padded_experts(x: Float[Array, "N D"], experts: dict, token: Int[Array, "P"],
-                    ws: Float[Array, "P"], group_sizes: Int[Array, "E"], limit: float
-                    ) -> Float[Array, "P D"]:
+                    ws: Float[Array, "P"], group_sizes: Int[Array, "E"], limit: float):
     """:func:`_grouped_experts`' three projections on the GPU kernel: the pairs (token of
-    each, sorted by expert) scattered once into the kernel's padded layout, the activations
-    kept in it between the projections, the outputs gathered back once (bf16 ``[P, D]``)."""
+    each, sorted by expert) gathered once into the kernel's padded layout, kept in it between
+    the projections. Returns ``(Y^T bf16 [D, R], the padding)``: column ``pad.dest[p]`` holds
+    sorted pair ``p``'s output."""
     pad = grouped_matmul.padding(group_sizes, token.shape[0])
     xp = pad.pad(quant.act_quant_qdq(x, 32), token)            # the FP8 QDQ rows, padded
     gt = grouped_matmul.padded_matmul(xp, experts["w1"], pad).astype(F32)    # [F, R]
     upt = grouped_matmul.padded_matmul(xp, experts["w3"], pad).astype(F32)
     a = _swiglu(gt.T, upt.T, pad.pad(ws), limit)
-    yt = grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad)
-    return pad.unpad_t(yt)
+    return grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad), pad
 
 
 MOE_IMPLS = ("dense", "routed")
