@@ -363,7 +363,7 @@ def prompt_tokens(cfg: ModelConfig, batch: int, n: int, seed: int) -> np.ndarray
 
 
 def prefill_all(params, cfg, tokens: np.ndarray, state, mode: str, chunk: int | None,
-                attn_impl: str, moe_impl: str = "dense"):
+                attn_impl: str, moe_impl: str = "auto"):
     """Prefill ``tokens`` [B, n] into ``state`` in one call (``chunk`` None or >= n) or in
     chunks of ``chunk`` (the last one zero-padded: every call has the same shapes), the routed
     experts run as ``moe_impl`` (``model.prefill``). Returns ``(out, state)`` of the last

@@ -56,7 +56,7 @@ class Static(NamedTuple):
     attn_impl: str = "xla"   # resolved sparse-attention implementation (never "auto")
     index_impl: str = "xla"  # resolved indexer-scores implementation (never "auto")
     select_impl: str = "xla"  # resolved indexer top-k implementation (never "auto")
-    moe_impl: str = "dense"   # routed experts of a large call (layers.moe.MOE_IMPLS)
+    moe_impl: str = "auto"   # routed experts of a large call (layers.moe.MOE_IMPLS)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -425,7 +425,7 @@ def _check_moe_impl(moe_impl: str) -> str:
 
 def make_chunk(cfg: ModelConfig, *, positions, valid, p0, n, win_lo, decode: bool, compat,
                attn_impl: str = "xla", win_width: int = 0, index_impl: str = "xla",
-               select_impl: str = "xla", moe_impl: str = "dense") -> Chunk:
+               select_impl: str = "xla", moe_impl: str = "auto") -> Chunk:
     """The :class:`~dsv41_jax.layers.attention.Chunk` of a forward, with the config's RoPE
     frequency tables."""
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
@@ -639,7 +639,7 @@ def _check_capacity(cfg, state, new: np.ndarray):
 def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str = "ced",
             compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
             collect: bool = False, all_logits: bool = False, batch_invariant: bool = False,
-            attn_impl: str = "auto", moe_impl: str = "dense"):
+            attn_impl: str = "auto", moe_impl: str = "auto"):
     """Prefill a chunk of tokens per row, continuing from ``state``.
 
     Args:
@@ -661,9 +661,11 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         :func:`~pallas_kernels.indexer.select_impl_for_family`).
       moe_impl: how a call with at least as many (token, expert) pairs as experts runs the
         routed experts: ``"dense"`` (a scan over every expert, the reference's order bit for
-        bit; the default) or ``"routed"`` (grouped matmuls over the routed pairs only,
-        ``lax.ragged_dot``; docs/architecture.md, "Mixture of experts"). Smaller calls
-        gather their experts either way.
+        bit) or ``"routed"`` (grouped matmuls over the routed pairs only: the FP4 grouped
+        matmul kernel for kernel-form experts on a GPU, ``lax.ragged_dot`` elsewhere;
+        docs/architecture.md, "Mixture of experts"); ``"auto"`` (the default): ``"routed"``
+        where the kernel runs, ``"dense"`` elsewhere (CPU, TPU). Smaller calls gather their
+        experts either way.
 
     Returns ``(out, state)``: a :class:`StepOutput` (``out.logits`` fp32 [B, V] at each row's
     last token) and the new :class:`~dsv41_jax.state.InferenceState`.
@@ -707,7 +709,7 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
 
 def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k: bool = False,
                 collect: bool = False, batch_invariant: bool = False, attn_impl: str = "auto",
-                moe_impl: str = "dense"):
+                moe_impl: str = "auto"):
     """One token per row through all layers.
 
     Args: ``tokens`` int [B]; ``attn_impl``, ``moe_impl`` as in :func:`prefill`. Returns
@@ -741,7 +743,7 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
 
 def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
             compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
-            return_state: bool = False, attn_impl: str = "auto", moe_impl: str = "dense"):
+            return_state: bool = False, attn_impl: str = "auto", moe_impl: str = "auto"):
     """Every position through every layer (the reference's semantics; the oracle).
 
     Returns a :class:`StepOutput` with ``all_logits`` fp32 [B, S, V] and ``final_hidden``
@@ -762,7 +764,7 @@ def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
 
 
 def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
-              backend: str | None = None, moe_impl: str = "dense"):
+              backend: str | None = None, moe_impl: str = "auto"):
     """A pure, traceable decode step ``step(params, state, tokens int32 [B]) -> (logits fp32
     [B, V], state)`` for use inside ``jax.jit`` / ``lax.while_loop`` (no host checks: the caller
     checks the state capacity and the token ids). Raises ``ValueError`` for an unknown

@@ -72,7 +72,7 @@ def kernel_table(events: list[dict], steps: int, key=None, select=None
 
 
 def profile_context(params, cfg, context: int, batch: int, steps: int, top: int,
-                    moe_impl: str = "dense") -> dict:
+                    moe_impl: str = "auto") -> dict:
     """Time ``steps`` decode steps of ``batch`` rows at ``context`` tokens of context."""
     state = st.init_state(cfg, batch, context + 2 * steps + 8)
     state = state.replace(pos=jnp.full((batch,), context, jnp.int32))
@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--experts", choices=model.EXPERT_FORMS, default="auto",
                     help="form of the FP4 routed experts (model.prepare_params; default auto: "
                          "the grouped matmul kernel's on a GPU, stored elsewhere)")
-    ap.add_argument("--moe-impl", choices=MOE_IMPLS, default="dense",
-                    help="routed MoE implementation (default dense)")
+    ap.add_argument("--moe-impl", choices=MOE_IMPLS, default="auto",
+                    help="routed MoE implementation (default auto: routed where the GPU kernel runs)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap
 

@@ -467,7 +467,7 @@ def capture_hlo():
         model._chunk_jit = real
 
 
-def profile_prefill(params, cfg, n: int, mode: str, *, moe_impl: str = "dense",
+def profile_prefill(params, cfg, n: int, mode: str, *, moe_impl: str = "auto",
                     attn_impl: str = "auto", reps: int = 3, calls: int = 3,
                     headroom: int = 256, seed: int = 0, top: int = 12,
                     dump: str | None = None) -> dict:
@@ -580,8 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt tokens, comma-separated (default 4096; 64 with --tiny)")
     ap.add_argument("--modes", type=_modes, default=["ced"],
                     help="prefill modes, comma-separated: ced, exact (default ced)")
-    ap.add_argument("--moe-impl", choices=MOE_IMPLS, default="dense",
-                    help="routed experts of the prefill (model.prefill; default dense)")
+    ap.add_argument("--moe-impl", choices=MOE_IMPLS, default="auto",
+                    help="routed experts of the prefill (model.prefill; default auto: routed where the "
+                         "GPU kernel runs)")
     ap.add_argument("--attn-impl", default="auto",
                     help="kernel family of the prefill (model.prefill; default auto)")
     ap.add_argument("--linears", choices=model.LINEAR_FORMS, default="auto",

@@ -52,7 +52,7 @@ class Chunk:
     win_width: int = 0             # prefill window-list width (0: W); min(S, W) on a fresh prefill
     index_impl: str = "xla"        # indexer scores kernel family (pallas_kernels.impls)
     select_impl: str = "xla"       # indexer top-k kernel family (pallas_kernels.impls)
-    moe_impl: str = "dense"        # routed experts of a large call (layers.moe.MOE_IMPLS)
+    moe_impl: str = "auto"        # routed experts of a large call (layers.moe.MOE_IMPLS)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["topk", "candidates"],

@@ -168,11 +168,11 @@ def _padded_experts(x: Float[Array, "N D"], experts: dict, token: Int[Array, "P"
     return grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad), pad
 
 
-MOE_IMPLS = ("dense", "routed")
+MOE_IMPLS = ("auto", "dense", "routed")
 
 
 def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
-        n_active: int | None = None, impl: str = "dense"
+        n_active: int | None = None, impl: str = "auto"
         ) -> tuple[Float[Array, "N D"], Int[Array, "N k"], Float[Array, "N k"]]:
     """MoE sublayer on flattened tokens: ``(bf16 output, expert ids, routing weights)``.
 
@@ -186,11 +186,14 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
     bf16 rounding); the gathered and dense paths bit for bit, the routed one up to the
     summation order inside each product. Experts in the grouped matmul's kernel form
     (``prepare_params(..., experts="kernel")``) run the routed path through the GPU kernel
-    (:mod:`pallas_kernels.grouped_matmul`). Raises ``ValueError`` for an
+    (:mod:`pallas_kernels.grouped_matmul`). ``"auto"``: ``"routed"`` where that kernel runs
+    (an NVIDIA GPU, kernel-form experts), ``"dense"`` elsewhere. Raises ``ValueError`` for an
     unknown ``impl``. See docs/architecture.md, "Mixture of experts".
     """
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "routed" if grouped_matmul.uses_kernel(p["experts"]["w1"]) else "dense"
     k = n_active or cfg.n_activated_experts
     idx, w = gate(x, p["gate"], cfg, image_mask, k)
     n_exp = p["gate"]["weight"].shape[0]
