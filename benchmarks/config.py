@@ -159,7 +159,7 @@ def reductions(cfg: ModelConfig, release: dict) -> dict:
 # ----------------------------------------------------------------------------- end to end
 
 #: The end-to-end benchmark's configs (:func:`e2e_config`).
-E2E_CONFIGS = ("mid", "release-fit", "tiny")
+E2E_CONFIGS = ("mid", "release-fit", "release-384", "tiny")
 
 #: ``mid``: the release attention, indexer, candidate pool and 40-layer layout at width 2048
 #: with 16 small experts; the PyTorch peer's ``mid`` preset (``shared/bench/peer_nemo.py``).
@@ -260,6 +260,17 @@ def release_fit_experts(gpu_bytes: float = GPU_BYTES, headroom: float = HEADROOM
                "headroom_bytes": headroom}
 
 
+#: ``release-384``: the release dimensions with all 384 routed experts (7.6 GB of FP4 experts per
+#: layer in the grouped matmul's form) on the tiny config's layout, every layer role once:
+#: SWA-only, ratio-2 KV + index source, a Reuse of it, ratio-1 KV + index source (the CED
+#: decoder start and candidate-pool source), a Reuse of it, Reindex. Six layers (50 GB of
+#: weights): ``prepare_params`` builds the stacked, kernel-form experts beside the generated
+#: ones, so about half of one 141 GB GPU can hold weights.
+RELEASE_384_LAYOUT = dict(n_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1],
+                          kv_source_layers=[1, 3], index_source_layers=[1, 3, 5],
+                          candidate_source_layer=3)
+
+
 def e2e_config(name: str) -> tuple[ModelConfig, dict]:
     """``(cfg, release_dict)`` of an end-to-end benchmark config (:data:`E2E_CONFIGS`).
 
@@ -269,6 +280,8 @@ def e2e_config(name: str) -> tuple[ModelConfig, dict]:
     * ``release-fit``: the release dimensions (dim 5120, expert width 2304, 40 layers, the
       vocabulary) with Engram, DSpark and vision off and as many routed experts as fit one
       141 GB GPU (:func:`release_fit_experts`; 6 activated).
+    * ``release-384``: the release dimensions and all 384 routed experts (the routed MoE's
+      config) on :data:`RELEASE_384_LAYOUT`'s 6 layers; Engram, DSpark and vision off.
     * ``tiny``: :func:`tiny_config` without Engram (CPU smoke tests).
 
     Raises ``ValueError`` for another name.
@@ -279,6 +292,9 @@ def e2e_config(name: str) -> tuple[ModelConfig, dict]:
         d = _shrink_engram(d, "drop", 0)
     elif name == "release-fit":
         d = _release_fit_dict(release_fit_experts()[0])
+    elif name == "release-384":
+        d = _release_fit_dict(load_release_dict()["n_routed_experts"])
+        d.update(RELEASE_384_LAYOUT)
     elif name == "tiny":
         return tiny_config("drop")
     else:

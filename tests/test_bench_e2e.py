@@ -15,6 +15,7 @@ import pytest
 from benchmarks import config as bench_config
 from benchmarks import e2e
 from dsv41_jax import random_weights
+from dsv41_jax.config import LayerPlan
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +109,14 @@ def test_e2e_configs():
     assert bench_config.fit_bytes(fit) + 16e9 <= 141e9 < (
         bench_config.fit_bytes(fit.replace(n_routed_experts=e + 8)) + 16e9)
     assert info["fit_bytes"] == bench_config.fit_bytes(fit)
+    full, _ = bench_config.e2e_config("release-384")
+    assert (full.dim, full.moe_inter_dim, full.n_routed_experts, full.n_layers) == (
+        5120, 2304, 384, 6)
+    plan = LayerPlan.from_config(full)
+    assert {r.mode for r in plan.roles} == {"swa", "full", "reuse", "reindex"}
+    assert {r.ratio for r in plan.roles} == {0, 1, 2} and any(r.is_decoder for r in plan.roles)
+    # weights and the stacked copy prepare_params builds beside them fit one 141 GB GPU
+    assert 2 * bench_config.fit_bytes(full) + 16e9 <= 141e9
     with pytest.raises(ValueError, match="unknown end-to-end config"):
         bench_config.e2e_config("huge")
 

@@ -107,7 +107,7 @@ def profile_context(params, cfg, context: int, batch: int, steps: int, top: int,
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="profile_decode", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="mid", help="mid | release-fit | tiny (default mid)")
+    ap.add_argument("--config", default="mid", help="mid | release-fit | release-384 | tiny (default mid)")
     ap.add_argument("--tiny", action="store_true", help="the tiny config, small roofline")
     ap.add_argument("--contexts", type=positive_ints, default=[4096],
                     help="tokens of context, comma-separated (default 4096)")

@@ -573,7 +573,7 @@ def _modes(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="profile_prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", choices=E2E_CONFIGS, default="mid",
-                    help="mid | release-fit | tiny (default mid)")
+                    help="mid | release-fit | release-384 | tiny (default mid)")
     ap.add_argument("--tiny", action="store_true",
                     help="the tiny config, 64 tokens, 1 timed and 1 traced call (CPU smoke test)")
     ap.add_argument("--lengths", type=positive_ints, default=None,
