@@ -14,6 +14,9 @@ kernel and the kernel with its default segments (``topk_triton.default_segment``
 from selection sweeps (JSON lists of ``{B, T, impl, device_us}``, e.g.
 ``docs/results/h200_topk_sweep_1.json``; later files win). ``--decode`` adds a panel of the
 decode step's time per change against its floor (``docs/results/h200_decode_mid.json``).
+``--grouped-matmul`` adds two panels from ``python -m benchmarks.grouped_matmul`` JSON files
+(later files win per row): the kernel's TFLOP/s on the rows with at least 1K tokens, and the
+expert weights it streams per second on the decode rows, each beside its target.
 
 Needs matplotlib (``pip install -e .[notebooks]``).
 """
@@ -164,6 +167,50 @@ def decode_panel(ax, path: str) -> None:
     ax.legend(fontsize=8)
 
 
+def grouped_matmul_rows(paths: list[str]) -> dict[str, dict]:
+    """``{row name: row}`` of grouped matmul benchmark files, later files winning; a row's
+    kernel time is ``kernel_us`` (files of the first run keep it among ``kernel_top``)."""
+    rows = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for r in data.get("rows", []):
+            if "error" in r:
+                continue
+            r = dict(r)
+            if "kernel_top" in r:      # the first run's format: the op's time in kernel_us
+                r["kernel_us"] = next(k["us_per_op"] for k in r["kernel_top"]
+                                      if "mosaic" in k["name"] or "grouped" in k["name"])
+            E, N, K, hit = r.get("experts", r.get("E")), r["N"], r["K"], r["experts_hit"]
+            r["tflops"] = 2.0 * r["pairs"] * N * K / r["kernel_us"] / 1e6
+            r["tbps"] = (hit * N * K // 2 + hit * N * (K // 32) * 2) / r["kernel_us"] / 1e6
+            r["experts"] = E
+            rows[r["name"]] = r
+    return rows
+
+
+def grouped_matmul_panels(ax_flops, ax_bytes, paths: list[str]) -> None:
+    """The grouped matmul kernel: TFLOP/s of the prefill-sized rows, TB/s of the decode rows."""
+    rows = grouped_matmul_rows(paths)
+    big = sorted((r for r in rows.values() if r["tokens"] >= 1024),
+                 key=lambda r: (r["experts"], r["tokens"], r["name"]))
+    small = sorted((r for r in rows.values() if r["tokens"] < 1024),
+                   key=lambda r: (r["experts"], r["tokens"]))
+    for ax, sel, key, target, unit in ((ax_flops, big, "tflops", 300.0, "TFLOP/s"),
+                                       (ax_bytes, small, "tbps", 3.0, "TB/s")):
+        bars = ax.bar(range(len(sel)), [r[key] for r in sel], 0.6, color="tab:green")
+        for b, r in zip(bars, sel):
+            ax.annotate(f"{r[key]:.0f}" if key == "tflops" else f"{r[key]:.2f}",
+                        (b.get_x() + b.get_width() / 2, r[key]), ha="center", va="bottom",
+                        fontsize=8)
+        ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:g} {unit}")
+        ax.set_xticks(range(len(sel)), [r["name"] for r in sel], rotation=15, fontsize=8)
+        ax.set_ylabel(f"kernel {unit} (H200, device time)")
+        ax.legend(fontsize=8)
+    ax_flops.set_title("FP4 grouped matmul, prefill-sized calls", fontsize=10)
+    ax_bytes.set_title("FP4 grouped matmul, decode: expert weights streamed", fontsize=10)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="plot_benchmarks", description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="*", help="dsv41-bench-kernels JSON files (attention panels)")
@@ -174,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--topk", nargs="*", default=[], help="top-k selection sweep JSON files")
     ap.add_argument("--decode", default=None, help="decode profile JSON "
                                                    "(docs/results/h200_decode_mid.json)")
+    ap.add_argument("--grouped-matmul", nargs="*", default=[],
+                    help="grouped matmul benchmark JSON files (python -m "
+                         "benchmarks.grouped_matmul --out)")
     return ap
 
 
@@ -185,10 +235,15 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = len(args.json) + bool(args.prefill) + bool(args.topk) + bool(args.decode)
+    gm = 2 * bool(args.grouped_matmul)
+    panels = len(args.json) + bool(args.prefill) + bool(args.topk) + bool(args.decode) + gm
     if not panels:
-        ap.error("nothing to plot: give bench_kernels JSON files, --prefill, --topk or --decode")
+        ap.error("nothing to plot: give bench_kernels JSON files, --prefill, --topk, --decode "
+                 "or --grouped-matmul")
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    if gm:
+        first = len(args.json) + bool(args.prefill) + bool(args.decode)
+        grouped_matmul_panels(axes[0][first], axes[0][first + 1], args.grouped_matmul)
     if args.decode:
         decode_panel(axes[0][len(args.json) + bool(args.prefill)], args.decode)
     if args.prefill:

@@ -151,3 +151,28 @@ def test_decode_panel_reads_the_steps_and_floor(tmp_path):
     assert [ms for _, ms in bars] == [34.0, 16.1, 11.0] and floor == 2.07
     assert pb.main(["--decode", str(path), "--out", str(tmp_path / "d.png")]) == 0
     assert (tmp_path / "d.png").stat().st_size > 1000
+
+
+def test_grouped_matmul_panels_read_both_formats(tmp_path):
+    """The grouped matmul figure's rows: the first run's format (the kernel among
+    ``kernel_top``) and the benchmark's (``kernel_us``), later files winning per row."""
+    from benchmarks import plot
+    first = {"rows": [{"name": "rel w1 b64", "E": 384, "N": 2304, "K": 5120, "tokens": 64,
+                       "pairs": 384, "experts_hit": 240, "kernel_us": 2000.0,
+                       "kernel_top": [{"name": "MemcpyD2D", "us_per_op": 9.0},
+                                      {"name": "anonymous_mosaic_gpu_kernel", "us_per_op": 1000.0}]},
+                      {"name": "rel w1 16K", "error": "out of memory"}]}
+    later = {"rows": [{"name": "mid w1 4K", "experts": 16, "N": 512, "K": 2048, "tokens": 4096,
+                       "pairs": 24576, "experts_hit": 16, "kernel_us": 150.0}]}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(first))
+    b.write_text(json.dumps(later))
+    rows = plot.grouped_matmul_rows([str(a), str(b)])
+    assert set(rows) == {"rel w1 b64", "mid w1 4K"}
+    assert rows["rel w1 b64"]["kernel_us"] == 1000.0
+    assert rows["rel w1 b64"]["tbps"] == pytest.approx(
+        (240 * 2304 * 5120 // 2 + 240 * 2304 * 160 * 2) / 1000.0 / 1e6)
+    assert rows["mid w1 4K"]["tflops"] == pytest.approx(2 * 24576 * 512 * 2048 / 150.0 / 1e6)
+    out = tmp_path / "gm.png"
+    assert plot.main(["--grouped-matmul", str(a), str(b), "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
