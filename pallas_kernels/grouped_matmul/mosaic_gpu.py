@@ -17,7 +17,9 @@ handful of tokens to each expert) while the weight tile fills wgmma's 64-row M. 
 
 The rows are laid out by :func:`pad_groups`: grouped by expert, each expert's rows padded to a
 multiple of ``block_m``, so every token tile belongs to one expert (a table gives it) and
-tiles past the last used one do nothing.
+tiles past the last used one do nothing. Grid ``(tiles, N / 128, k_splits)``: when few experts
+have tokens (a decode step) K is split (:func:`pick_k_splits`) so that enough CTAs stream
+weights at once, each split writing fp32 partial sums that the caller adds.
 
 Kernel form of the weights (:func:`prepare_experts`, once at load time): the e2m1 codes as
 int4 ``[E, N, K]`` holding ``+-i`` for a code of sign ``s`` and magnitude index ``i`` (so the
