@@ -733,14 +733,13 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
                     moe_impl=_check_moe_impl(moe_impl), mesh=_check_mesh(cfg, mesh, B))
     params, state = _placed(params, cfg, state, mesh)
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
-    lengths = jnp.asarray(lengths)
+    n = jnp.asarray(lengths)
     if mesh is not None:
-        tokens, lengths = sharding.batch_sharded(tokens, mesh), sharding.batch_sharded(lengths,
-                                                                                        mesh)
+        tokens, n = sharding.batch_sharded(tokens, mesh), sharding.batch_sharded(n, mesh)
         if image_mask is not None:
             image_mask = sharding.batch_sharded(jnp.asarray(image_mask), mesh)
             embeds_override = sharding.batch_sharded(jnp.asarray(embeds_override), mesh)
-    out, state = _chunk_jit(params, tokens, lengths, state, embeds_override,
+    out, state = _chunk_jit(params, tokens, n, state, embeds_override,
                             image_mask, jnp.asarray(compat_stale_index_k), static=static,
                             mode=mode, replay_len=replay_len, all_logits=all_logits)
     return out, _with_host_positions(state, pos + lengths)

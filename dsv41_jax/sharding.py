@@ -76,7 +76,7 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 
 
-def make_mesh(data: int = 1, tensor: int = 1, expert: int = 1, devices=None) -> Mesh:
+def make_mesh(data=1, tensor=1, expert=1, devices=None) -> Mesh:
     """A :class:`jax.sharding.Mesh` with axes :data:`MESH_AXES` of sizes ``(data, tensor,
     expert)`` over ``devices`` (default: all of JAX's devices), every axis of type ``Auto``
     (the compiler propagates the shardings of the placed arrays; the MoE's expert axis is made
@@ -105,7 +105,7 @@ def axis_size(mesh: Mesh | None, axis: str) -> int:
     return dict(mesh.shape).get(axis, 1)
 
 
-def check_mesh(mesh: Mesh) -> Mesh:
+def check_mesh(mesh):
     """``mesh`` if its axes are :data:`MESH_AXES` (a mesh of :func:`make_mesh`), else
     ``ValueError``."""
     if not isinstance(mesh, Mesh):

@@ -276,7 +276,7 @@ def _expert_parallel(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
 
     specs = jax.tree.map(_expert_spec, experts)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(), P()), out_specs=P(),
-                         axis_names=frozenset({"expert"}))(x, experts, idx, w)
+                         axis_names=frozenset({"expert"}), check_vma=False)(x, experts, idx, w)
 
 
 def _with_shared(acc: Float[Array, "N D"], x: Float[Array, "N D"], p: dict, cfg: ModelConfig
