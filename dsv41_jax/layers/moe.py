@@ -266,8 +266,8 @@ def _expert_parallel(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
                          f"({n_shards})")
     n_local = n_exp // n_shards
 
-    def local(x, experts, idx, w):
-        lo = jax.lax.axis_index("expert") * n_local
+    def local(x, experts, idx, w, shard):
+        lo = shard[0] * n_local          # this shard's first expert (shard: its index, [1])
         loc = idx - lo
         mine = (loc >= 0) & (loc < n_local)
         acc = _routed_sum(x, experts, jnp.clip(loc, 0, n_local - 1), jnp.where(mine, w, 0.0),
@@ -275,8 +275,9 @@ def _expert_parallel(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
         return jax.lax.psum(acc, "expert")
 
     specs = jax.tree.map(_expert_spec, experts)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(), P()), out_specs=P(),
-                         axis_names=frozenset({"expert"}), check_vma=False)(x, experts, idx, w)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(), P(), P("expert")),
+                         out_specs=P(), axis_names=frozenset({"expert"}), check_vma=False)(
+        x, experts, idx, w, jnp.arange(n_shards, dtype=jnp.int32))
 
 
 def _with_shared(acc: Float[Array, "N D"], x: Float[Array, "N D"], p: dict, cfg: ModelConfig
