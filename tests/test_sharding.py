@@ -99,7 +99,7 @@ def test_param_logical_axes():
     assert ax("layer_groups/0/0/ffn/experts/w2/fp4", 5) == ("stack", "stack", "experts", None,
                                                             None)
     assert ax("head/weight", 2) == ("vocab", "embed")
-    assert ax("layer_groups/0/0/attn/wkv/dq", 4) == (None,) * 4     # the latent: replicated
+    assert ax("layer_groups/0/0/attn/wkv/dq", 4) == ("stack", "stack", None, None)  # latent
     with pytest.raises(ValueError, match="rank"):
         ax("layer_groups/0/0/attn/attn_sink", 4)
     one = sharding.make_mesh(devices=jax.devices()[:1])
