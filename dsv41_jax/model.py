@@ -437,7 +437,8 @@ def _placed(params, cfg: ModelConfig, state, mesh):
     stay)."""
     if mesh is None:
         return prepare_params(params, cfg), state
-    return sharding.shard_params(params, cfg, mesh), sharding.shard_state(state, mesh)
+    return (sharding.shard_params(prepare_params(params, cfg), cfg, mesh),
+            sharding.shard_state(state, mesh))
 
 
 def _check_moe_impl(moe_impl: str) -> str:

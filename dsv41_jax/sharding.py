@@ -174,14 +174,15 @@ def check_experts(cfg: ModelConfig, mesh: Mesh | None):
 
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
-    """``params`` prepared (:func:`dsv41_jax.model.prepare_params`; a prepared tree is kept)
-    and placed on ``mesh`` by :func:`param_shardings` (``jax.device_put``; arrays already
-    placed so stay where they are). Raises ``ValueError`` for a mesh not of
+    """``params`` prepared by :func:`dsv41_jax.model.prepare_params` placed on ``mesh`` by
+    :func:`param_shardings` (``jax.device_put``; arrays already placed so stay where they are).
+    Raises ``ValueError`` for a tree not prepared (no ``layer_groups``), a mesh not of
     :func:`make_mesh` or routed experts that the ``expert`` axis does not divide."""
-    from dsv41_jax.model import prepare_params
     check_mesh(mesh)
     check_experts(cfg, mesh)
-    params = prepare_params(params, cfg)
+    if "layer_groups" not in params:
+        raise ValueError("params must be prepared (dsv41_jax.model.prepare_params(params, cfg)) "
+                         "before shard_params: it places the stacked layer groups")
     return jax.device_put(params, param_shardings(params, mesh))
 
 

@@ -83,6 +83,8 @@ def test_value_errors_on_8_devices():
     mesh = sharding.make_mesh(tensor=2, expert=4)
     with pytest.raises(ValueError, match="n_routed_experts=6 does not divide"):
         sharding.shard_params({}, cfg.replace(n_routed_experts=6, n_activated_experts=2), mesh)
+    with pytest.raises(ValueError, match="params must be prepared"):
+        sharding.shard_params({"layers": []}, cfg, mesh)
     mesh = sharding.make_mesh(data=2, tensor=4)
     state = st.init_state(cfg, 3, 8)
     with pytest.raises(ValueError, match="batch 3 does not divide by the mesh's data axis"):
