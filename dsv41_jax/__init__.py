@@ -31,10 +31,11 @@ del _name, _value
 from dsv41_jax.config import LayerPlan, LayerRole, ModelConfig  # noqa: E402
 from dsv41_jax.checkpoint import load_params, params_from_tensors, read_checkpoint  # noqa: E402
 from dsv41_jax.state import init_state, global_kv_bytes_per_token  # noqa: E402
-from dsv41_jax.model import forward, prefill, decode_step  # noqa: E402
+from dsv41_jax.model import forward, prefill, decode_step, prepare_params  # noqa: E402
 from dsv41_jax.sampling import SamplingParams, sample  # noqa: E402
 from dsv41_jax.generation import GenerationResult, generate  # noqa: E402
 
 __all__ = ["ModelConfig", "LayerPlan", "LayerRole", "load_params", "params_from_tensors",
            "read_checkpoint", "init_state", "global_kv_bytes_per_token", "forward", "prefill",
-           "decode_step", "sample", "SamplingParams", "generate", "GenerationResult"]
+           "decode_step", "prepare_params", "sample", "SamplingParams", "generate",
+           "GenerationResult"]

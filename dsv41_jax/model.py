@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import quant, state as st
+from dsv41_jax import quant, sharding, state as st
 from dsv41_jax.config import LayerGroup, LayerPlan, ModelConfig
 from dsv41_jax.layers import engram as engram_layer
 from dsv41_jax.layers import mhc
@@ -57,6 +57,7 @@ class Static(NamedTuple):
     index_impl: str = "xla"  # resolved indexer-scores implementation (never "auto")
     select_impl: str = "xla"  # resolved indexer top-k implementation (never "auto")
     moe_impl: str = "auto"   # routed experts of a large call (layers.moe.MOE_IMPLS)
+    mesh: Any = None         # device mesh (dsv41_jax.sharding.make_mesh), None: one device
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -233,7 +234,8 @@ def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, ls: st.LayerSt
     xf = rms_norm(mhc.hc_pre(X, a_pre), p["ffn_norm"]["weight"], cfg.norm_eps)
     B, S, D = xf.shape
     im = None if image_mask is None else image_mask.reshape(B * S)
-    y2, eidx, ew = moe(xf.reshape(B * S, D), p["ffn"], cfg, im, impl=ch.moe_impl)
+    y2, eidx, ew = moe(xf.reshape(B * S, D), p["ffn"], cfg, im, impl=ch.moe_impl,
+                       mesh=ch.mesh)
     y2 = y2.reshape(B, S, D)
     X = mhc.hc_post(y2, X, f_post, f_comb)
     if record is not None:
@@ -417,6 +419,28 @@ def kernel_impls(cfg: ModelConfig, attn_impl: str, *, backend: str | None = None
             select_impl_for_family(attn_impl, backend))
 
 
+def _check_mesh(cfg: ModelConfig, mesh, batch: int | None):
+    """``mesh`` (None stays None) after :func:`dsv41_jax.sharding.check_mesh` and
+    :func:`~dsv41_jax.sharding.check_experts`; ``batch`` (when given) must divide by its
+    ``data`` axis. Raises ``ValueError``."""
+    if mesh is None:
+        return None
+    sharding.check_mesh(mesh)
+    sharding.check_experts(cfg, mesh)
+    if batch is not None:
+        sharding.batch_spec(1, batch, mesh)
+    return mesh
+
+
+def _placed(params, cfg: ModelConfig, state, mesh):
+    """``(params, state)`` prepared and, with a mesh, placed on it (arrays already in place
+    stay)."""
+    if mesh is None:
+        return prepare_params(params, cfg), state
+    return (sharding.shard_params(prepare_params(params, cfg), cfg, mesh),
+            sharding.shard_state(state, mesh))
+
+
 def _check_moe_impl(moe_impl: str) -> str:
     if moe_impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
@@ -425,14 +449,14 @@ def _check_moe_impl(moe_impl: str) -> str:
 
 def make_chunk(cfg: ModelConfig, *, positions, valid, p0, n, win_lo, decode: bool, compat,
                attn_impl: str = "xla", win_width: int = 0, index_impl: str = "xla",
-               select_impl: str = "xla", moe_impl: str = "auto") -> Chunk:
+               select_impl: str = "xla", moe_impl: str = "auto", mesh=None) -> Chunk:
     """The :class:`~dsv41_jax.layers.attention.Chunk` of a forward, with the config's RoPE
     frequency tables."""
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
     return Chunk(positions=positions, valid=valid, p0=p0, n=n, win_lo=win_lo,
                  compat_stale_index_k=compat, freqs=freqs, decode=decode, attn_impl=attn_impl,
                  win_width=win_width, index_impl=index_impl, select_impl=select_impl,
-                 moe_impl=moe_impl)
+                 moe_impl=moe_impl, mesh=mesh)
 
 
 def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
@@ -474,7 +498,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     extras, state = _engram_extras(params, cfg, tokens, positions, n, state, token_mask)
     extras["image_mask"] = image_mask
     kinds = dict(attn_impl=static.attn_impl, index_impl=static.index_impl,
-                 select_impl=static.select_impl, moe_impl=static.moe_impl)
+                 select_impl=static.select_impl, moe_impl=static.moe_impl, mesh=static.mesh)
     # replay_len is min(W, S) on a fresh prefill, else W: the reference's window-list width
     ch = make_chunk(cfg, positions=positions, valid=valid, p0=p0, n=n,
                     win_lo=jnp.zeros_like(p0), decode=decode, compat=compat,
@@ -552,7 +576,9 @@ def _chunk_rows(params, tokens, n, state, embeds_override, image_mask, compat, *
     their sums with the number of rows)."""
     kw = dict(static=static, mode=mode, replay_len=replay_len, all_logits=all_logits)
     if not static.batch_invariant or tokens.shape[0] == 1:
-        return _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, **kw)
+        out, state = _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat,
+                                 **kw)
+        return out, sharding.constrain_state(state, static.mesh)
 
     def one(row):
         tok, nn, s, emb, im = row
@@ -561,7 +587,8 @@ def _chunk_rows(params, tokens, n, state, embeds_override, image_mask, compat, *
                              add(im), compat, **kw)
         return jax.tree.map(lambda x: x[0], (out, s))
 
-    return jax.lax.map(one, (tokens, n, state, embeds_override, image_mask))
+    out, state = jax.lax.map(one, (tokens, n, state, embeds_override, image_mask))
+    return out, sharding.constrain_state(state, static.mesh)
 
 
 _chunk_jit = jax.jit(_chunk_rows, static_argnames=("static", "mode", "replay_len", "all_logits"),
@@ -639,7 +666,7 @@ def _check_capacity(cfg, state, new: np.ndarray):
 def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str = "ced",
             compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
             collect: bool = False, all_logits: bool = False, batch_invariant: bool = False,
-            attn_impl: str = "auto", moe_impl: str = "auto"):
+            attn_impl: str = "auto", moe_impl: str = "auto", mesh=None):
     """Prefill a chunk of tokens per row, continuing from ``state``.
 
     Args:
@@ -666,6 +693,12 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
         docs/architecture.md, "Mixture of experts"); ``"auto"`` (the default): ``"routed"``
         where the kernel runs, ``"dense"`` elsewhere (CPU, TPU). Smaller calls gather their
         experts either way.
+      mesh: a device mesh (:func:`dsv41_jax.sharding.make_mesh`) to run on, or None (one
+        device). The parameters and the state are placed on it by
+        :func:`~dsv41_jax.sharding.shard_params` / :func:`~dsv41_jax.sharding.shard_state`
+        when they are not already (place them once beforehand to avoid the per-call
+        transfers), the tokens split by rows over ``data``; the routed experts run expert
+        parallel (docs/architecture.md, "Sharding"). The returned state stays on the mesh.
 
     Returns ``(out, state)``: a :class:`StepOutput` (``out.logits`` fp32 [B, V] at each row's
     last token) and the new :class:`~dsv41_jax.state.InferenceState`.
@@ -698,10 +731,16 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     fresh = not pos.any()
     replay_len = min(cfg.window_size, S) if fresh else cfg.window_size
     static = Static(cfg, collect, batch_invariant, *kernel_impls(cfg, attn_impl),
-                    moe_impl=_check_moe_impl(moe_impl))
-    params = prepare_params(params, cfg)
+                    moe_impl=_check_moe_impl(moe_impl), mesh=_check_mesh(cfg, mesh, B))
+    params, state = _placed(params, cfg, state, mesh)
     tokens = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], tokens, 0), jnp.int32)
-    out, state = _chunk_jit(params, tokens, jnp.asarray(lengths), state, embeds_override,
+    n = jnp.asarray(lengths)
+    if mesh is not None:
+        tokens, n = sharding.batch_sharded(tokens, mesh), sharding.batch_sharded(n, mesh)
+        if image_mask is not None:
+            image_mask = sharding.batch_sharded(jnp.asarray(image_mask), mesh)
+            embeds_override = sharding.batch_sharded(jnp.asarray(embeds_override), mesh)
+    out, state = _chunk_jit(params, tokens, n, state, embeds_override,
                             image_mask, jnp.asarray(compat_stale_index_k), static=static,
                             mode=mode, replay_len=replay_len, all_logits=all_logits)
     return out, _with_host_positions(state, pos + lengths)
@@ -709,10 +748,10 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
 
 def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k: bool = False,
                 collect: bool = False, batch_invariant: bool = False, attn_impl: str = "auto",
-                moe_impl: str = "auto"):
+                moe_impl: str = "auto", mesh=None):
     """One token per row through all layers.
 
-    Args: ``tokens`` int [B]; ``attn_impl``, ``moe_impl`` as in :func:`prefill`. Returns
+    Args: ``tokens`` int [B]; ``attn_impl``, ``moe_impl``, ``mesh`` as in :func:`prefill`. Returns
     ``(logits fp32 [B, V], state)`` (the state is donated). Raises ``ValueError`` for a token
     outside [0, vocab), a batch mismatch, a full state or an unknown attn_impl.
 
@@ -728,11 +767,14 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
         raise ValueError(f"tokens must have shape [{B}] (one per row), got {tokens.shape}")
     _check_tokens(cfg, tokens)
     _check_capacity(cfg, state, np.ones((B,), np.int32))
-    static = Static(cfg, collect, batch_invariant, *impls, moe_impl=_check_moe_impl(moe_impl))
-    params = prepare_params(params, cfg)
+    static = Static(cfg, collect, batch_invariant, *impls, moe_impl=_check_moe_impl(moe_impl),
+                    mesh=_check_mesh(cfg, mesh, B))
+    params, state = _placed(params, cfg, state, mesh)
     pos = host_positions(state)
-    out, state = _chunk_jit(params, jnp.asarray(tokens, jnp.int32)[:, None],
-                            jnp.ones((B,), jnp.int32), state, None, None,
+    out, state = _chunk_jit(params, sharding.batch_sharded(jnp.asarray(tokens, jnp.int32)[:, None],
+                                                           mesh),
+                            sharding.batch_sharded(jnp.ones((B,), jnp.int32), mesh), state, None,
+                            None,
                             jnp.asarray(compat_stale_index_k), static=static,
                             mode="exact", replay_len=1, all_logits=False)
     state = _with_host_positions(state, pos + 1)
@@ -743,12 +785,13 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
 
 def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
             compat_stale_index_k: bool = False, embeds_override=None, image_mask=None,
-            return_state: bool = False, attn_impl: str = "auto", moe_impl: str = "auto"):
+            return_state: bool = False, attn_impl: str = "auto", moe_impl: str = "auto",
+            mesh=None):
     """Every position through every layer (the reference's semantics; the oracle).
 
     Returns a :class:`StepOutput` with ``all_logits`` fp32 [B, S, V] and ``final_hidden``
-    (and the exact-prefill state when ``return_state``). Raises ``ValueError`` as
-    :func:`prefill`.
+    (and the exact-prefill state when ``return_state``). ``mesh`` as in :func:`prefill`.
+    Raises ``ValueError`` as :func:`prefill`.
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
@@ -759,18 +802,23 @@ def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
     out, state = prefill(params, cfg, tokens, state, mode="exact", collect=collect,
                          compat_stale_index_k=compat_stale_index_k,
                          embeds_override=embeds_override, image_mask=image_mask, all_logits=True,
-                         attn_impl=attn_impl, moe_impl=moe_impl)
+                         attn_impl=attn_impl, moe_impl=moe_impl, mesh=mesh)
     return (out, state) if return_state else out
 
 
 def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
-              backend: str | None = None, moe_impl: str = "auto"):
+              backend: str | None = None, moe_impl: str = "auto", mesh=None):
     """A pure, traceable decode step ``step(params, state, tokens int32 [B]) -> (logits fp32
     [B, V], state)`` for use inside ``jax.jit`` / ``lax.while_loop`` (no host checks: the caller
-    checks the state capacity and the token ids). Raises ``ValueError`` for an unknown
-    ``attn_impl`` or ``moe_impl``."""
+    checks the state capacity and the token ids). ``mesh``: as in :func:`prefill`, except that
+    nothing is placed (place the parameters and the state with
+    :func:`dsv41_jax.sharding.shard_params` / :func:`~dsv41_jax.sharding.shard_state`); the
+    returned state is constrained to the state's shardings. Raises ``ValueError`` for an
+    unknown ``attn_impl`` or ``moe_impl``, or a mesh not of
+    :func:`~dsv41_jax.sharding.make_mesh`, or whose ``expert`` axis does not divide the routed
+    experts."""
     static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl, backend=backend),
-                    moe_impl=_check_moe_impl(moe_impl))
+                    moe_impl=_check_moe_impl(moe_impl), mesh=_check_mesh(cfg, mesh, None))
     compat = jnp.asarray(compat_stale_index_k)
 
     def step(params, state, tokens):
@@ -779,6 +827,6 @@ def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k
         out, state = _chunk_impl(params, tokens.astype(jnp.int32)[:, None],
                                  jnp.ones((B,), jnp.int32), state, None, None, compat,
                                  static=static, mode="exact", replay_len=1, all_logits=False)
-        return out.logits, state
+        return out.logits, sharding.constrain_state(state, static.mesh)
 
     return step

@@ -68,7 +68,8 @@ def tiny_a_bf16():
 # one worker (its own group), except the fixture-parity directories (3-4.5 min each, half the
 # suite), which are a group each. The longest groups are collected first, so the two workers
 # finish close together instead of one starting a fixture directory near the end.
-SLOW_FIRST = ("test_parity.py::test_fixture_dir", "test_sparse_attention.py::test_model_with")
+SLOW_FIRST = ("test_parity.py::test_fixture_dir", "test_sparse_attention.py::test_model_with",
+              "test_sharding.py::test_sharded_in_subprocess")
 
 
 def pytest_configure(config):

@@ -33,7 +33,8 @@ from pallas_kernels.sparse_attention import sparse_attention as sparse_attention
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["positions", "valid", "p0", "n", "win_lo", "compat_stale_index_k", "freqs"],
-    meta_fields=["decode", "attn_impl", "win_width", "index_impl", "select_impl", "moe_impl"])
+    meta_fields=["decode", "attn_impl", "win_width", "index_impl", "select_impl", "moe_impl",
+                 "mesh"])
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Chunk:
     """Positions of one forward over a chunk (arrays per batch row) and the static choices of
@@ -53,6 +54,7 @@ class Chunk:
     index_impl: str = "xla"        # indexer scores kernel family (pallas_kernels.impls)
     select_impl: str = "xla"       # indexer top-k kernel family (pallas_kernels.impls)
     moe_impl: str = "auto"        # routed experts of a large call (layers.moe.MOE_IMPLS)
+    mesh: Any = None               # the device mesh (dsv41_jax.sharding), None on one device
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["topk", "candidates"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax.config import ModelConfig
@@ -172,7 +173,7 @@ MOE_IMPLS = ("auto", "dense", "routed")
 
 
 def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
-        n_active: int | None = None, impl: str = "auto"
+        n_active: int | None = None, impl: str = "auto", mesh=None
         ) -> tuple[Float[Array, "N D"], Int[Array, "N k"], Float[Array, "N k"]]:
     """MoE sublayer on flattened tokens: ``(bf16 output, expert ids, routing weights)``.
 
@@ -189,6 +190,9 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
     (:mod:`pallas_kernels.grouped_matmul`). ``"auto"``: ``"routed"`` where that kernel runs
     (an NVIDIA GPU, kernel-form experts), ``"dense"`` elsewhere. Raises ``ValueError`` for an
     unknown ``impl``. See docs/architecture.md, "Mixture of experts".
+
+    ``mesh`` (a :func:`dsv41_jax.sharding.make_mesh` mesh) with an ``expert`` axis above 1:
+    expert parallelism (:func:`_expert_parallel`; docs/architecture.md, "Sharding").
     """
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
@@ -197,27 +201,83 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
     k = n_active or cfg.n_activated_experts
     idx, w = gate(x, p["gate"], cfg, image_mask, k)
     n_exp = p["gate"]["weight"].shape[0]
-    experts = p["experts"]
+    if mesh is not None and dict(mesh.shape).get("expert", 1) > 1:
+        acc = _expert_parallel(x, p["experts"], idx, w, n_exp, impl, cfg.swiglu_limit, mesh)
+    else:
+        acc = _routed_sum(x, p["experts"], idx, w, n_exp, impl, cfg.swiglu_limit)
+    return _with_shared(acc, x, p, cfg), idx, w
+
+
+def _routed_sum(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
+                w: Float[Array, "N k"], n_exp: int, impl: str, limit: float
+                ) -> Float[Array, "N D"]:
+    """The routed experts' fp32 sum (:func:`moe` without the gate and the shared expert).
+    ``experts`` may be a slice of the model's ``n_exp`` experts (expert parallelism: ``idx``
+    then indexes the slice, tokens of other experts carrying weight 0); the path is chosen by
+    ``n_exp``, as on one device."""
+    k = idx.shape[1]
     if (impl == "routed" and grouped_matmul.is_kernel_form(experts["w1"])
             and x.shape[0] * k >= n_exp):
         # the stacks handed on whole: the grouped matmul reads them in place
-        acc = _grouped_experts(x, experts, idx, w, cfg.swiglu_limit)
-        return _with_shared(acc, x, p, cfg), idx, w
+        return _grouped_experts(x, experts, idx, w, limit)
     experts = {name: grouped_matmul.in_layer(v) for name, v in experts.items()}
     if x.shape[0] * k < n_exp:
-        acc = _routed_experts(x, experts, idx, w, cfg.swiglu_limit)
-    elif impl == "routed":
-        acc = _grouped_experts(x, experts, idx, w, cfg.swiglu_limit)
-    else:
-        dense_w = jnp.zeros((x.shape[0], n_exp), F32).at[
-            jnp.arange(x.shape[0])[:, None], idx].add(w)
+        return _routed_experts(x, experts, idx, w, limit)
+    if impl == "routed":
+        return _grouped_experts(x, experts, idx, w, limit)
+    n_local = next(v for key, v in experts["w1"].items() if key != "at").shape[-3]
+    dense_w = jnp.zeros((x.shape[0], n_local), F32).at[
+        jnp.arange(x.shape[0])[:, None], idx].add(w)
 
-        def body(acc, args):
-            pe, we = args
-            return acc + expert(x, pe, cfg.swiglu_limit, we).astype(F32), None
+    def body(acc, args):
+        pe, we = args
+        return acc + expert(x, pe, limit, we).astype(F32), None
 
-        acc, _ = jax.lax.scan(body, jnp.zeros(x.shape, F32), (experts, dense_w.T))
-    return _with_shared(acc, x, p, cfg), idx, w
+    acc, _ = jax.lax.scan(body, jnp.zeros(x.shape, F32), (experts, dense_w.T))
+    return acc
+
+
+def _expert_spec(a) -> P:
+    """An expert stack's leaf (``[..., E, N, K']``; ``"at"`` a scalar) split over ``expert``
+    on its expert axis."""
+    nd = jnp.ndim(a)
+    return P(*([None] * (nd - 3)), "expert") if nd >= 3 else P()
+
+
+def _expert_parallel(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
+                     w: Float[Array, "N k"], n_exp: int, impl: str, limit: float, mesh
+                     ) -> Float[Array, "N D"]:
+    """Expert parallelism (docs/architecture.md, "Sharding"): the routing (``idx``, ``w``) is
+    replicated; in a ``shard_map`` manual over the mesh's ``expert`` axis (the others left to
+    the compiler), each shard holds ``E / expert`` whole experts, runs :func:`_routed_sum` on
+    them for every token (a token's pairs with experts of other shards get weight 0 and an id
+    clamped into the shard: an exact 0 in the sum) and a ``psum`` over ``expert`` adds the
+    shards' fp32 partial sums. The shared expert and the one bf16 rounding follow, as on one
+    device.
+
+    Numerics: the fp32 sum of a token's expert outputs is taken in another association (each
+    shard's experts in increasing id, then the shards); where that sum is exact in fp32 (the
+    usual case: ``k`` bf16 values whose exponents lie within fp32's extra 16 bits) the result
+    is bitwise the single-device one, otherwise it may differ by the fp32 rounding before the
+    bf16 one (at most 1 bf16 ulp of the output)."""
+    n_shards = dict(mesh.shape)["expert"]
+    if n_exp % n_shards:
+        raise ValueError(f"{n_exp} routed experts do not divide by the mesh's expert axis "
+                         f"({n_shards})")
+    n_local = n_exp // n_shards
+
+    def local(x, experts, idx, w, shard):
+        lo = shard[0] * n_local          # this shard's first expert (shard: its index, [1])
+        loc = idx - lo
+        mine = (loc >= 0) & (loc < n_local)
+        acc = _routed_sum(x, experts, jnp.clip(loc, 0, n_local - 1), jnp.where(mine, w, 0.0),
+                          n_exp, impl, limit)
+        return jax.lax.psum(acc, "expert")
+
+    specs = jax.tree.map(_expert_spec, experts)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(), P(), P("expert")),
+                         out_specs=P(), axis_names=frozenset({"expert"}), check_vma=False)(
+        x, experts, idx, w, jnp.arange(n_shards, dtype=jnp.int32))
 
 
 def _with_shared(acc: Float[Array, "N D"], x: Float[Array, "N D"], p: dict, cfg: ModelConfig

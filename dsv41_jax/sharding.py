@@ -1,0 +1,249 @@
+"""Tensor, expert and data parallelism over a device mesh (docs/architecture.md, "Sharding").
+
+The mesh has three axes, :data:`MESH_AXES` = ``("data", "tensor", "expert")``
+(:func:`make_mesh`). Where every array goes is one table: each array axis has a *logical*
+name, and :data:`LOGICAL_AXES` maps a logical name to the mesh axis it is split over (``None``:
+replicated). Parameters get their logical axes by path (:data:`PARAM_RULES`, on the tree of
+:func:`dsv41_jax.model.prepare_params`); every leaf of the inference state has the batch first
+(:func:`state_shardings`).
+
+* ``data``: the batch rows of the state and of the activations (data parallelism); the
+  parameters are replicated over it.
+* ``tensor``: the query heads (``wq_b``'s output rows, ``attn_sink``), the output projection's
+  groups (``wo_a``'s rows) and the vocabulary (embedding and LM head rows). No contraction is
+  split: the attention is per head, ``wo_a`` per group and the head per vocabulary row, so
+  sharding over ``tensor`` changes no summation order. The single 512-wide KV latent, the
+  indexer (its heads included), the compressors, ``wq_a``, ``wkv``, ``wo_b``, the shared expert
+  and the gate are replicated.
+* ``expert``: the routed experts (expert parallelism): each shard holds ``E / expert`` whole
+  experts; the routing is replicated, each shard runs its own experts for all tokens and a
+  ``psum`` over ``expert`` combines (:func:`dsv41_jax.layers.moe.moe`).
+
+A dimension whose size the mesh axis does not divide is replicated instead (e.g. 4 heads on
+``tensor = 8``), except the routed experts, whose count must divide by ``expert``
+(``ValueError``), and the batch of the state, which must divide by ``data`` (``ValueError``).
+
+Usage: ``mesh = make_mesh(data=2, tensor=2, expert=2)``; ``params = shard_params(prepare_params(
+params, cfg), cfg, mesh)``; ``state = shard_state(init_state(cfg, B, L), mesh)``; then
+``prefill(..., mesh=mesh)`` / ``decode_step(..., mesh=mesh)`` (the entry points take the mesh
+as a keyword, a static argument of the compiled step).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from dsv41_jax.config import ModelConfig
+
+#: The mesh axes, in the order of :func:`make_mesh`'s arguments.
+MESH_AXES = ("data", "tensor", "expert")
+
+#: Logical axis -> the mesh axis it is split over (``None``: replicated). The one table.
+LOGICAL_AXES: dict[str, str | None] = {
+    "batch": "data",          # rows of the state and of the activations
+    "q_heads": "tensor",      # query heads: wq_b's output rows [H*K], attn_sink [H]
+    "o_groups": "tensor",     # output projection groups: wo_a's rows [G*O]
+    "vocab": "tensor",        # embedding and LM head rows [V]
+    "experts": "expert",      # routed experts [E]
+    "expert_hidden": None,    # a routed / shared expert's hidden [F] (kept whole: see module doc)
+    "latent": None,           # the shared KV latent [K] (one KV head: never split)
+    "index_heads": None,      # indexer heads: replicated, as engines do
+    "embed": None,            # model width [D]
+    "engram_rows": None,      # Engram table rows (replicated; memory_plan's "sharded" is next)
+    "stack": None,            # [units, layers] of a scanned layer group (no pipelining)
+}
+
+#: Parameter path (a regular expression, full match, on the leaf's path in the prepared tree
+#: with ``layer_groups/<group>/<run>/`` removed) -> the logical axes of the leaf's dimensions
+#: (after the two stack axes of a layer group). Linear weights appear in every prepared form:
+#: ``weight`` / ``dq`` / ``fp8`` ``[out, in]`` with its E8M0 ``scale`` ``[out/32, in/32]``,
+#: routed experts as ``fp4`` / ``weight`` ``[E, N, K/2]`` + ``scale`` ``[E, N, K/32]`` or the
+#: kernel form ``i4`` ``[E, N, K]`` + ``scale_t`` ``[E, K/32, N]``. Leaves no rule names are
+#: replicated.
+PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embed/weight", ("vocab", "embed")),
+    (r"head/weight", ("vocab", "embed")),
+    (r"attn/wq_b/(weight|dq|fp8|scale)", ("q_heads", None)),
+    (r"attn/attn_sink", ("q_heads",)),
+    (r"attn/wo_a/(weight|dq|fp8|scale)", ("o_groups", None)),
+    (r"ffn/experts/w[123]/(weight|dq|fp4|scale|i4|scale_t)", ("experts", None, None)),
+    (r"engram/embed/(weight|scale)", ("engram_rows", None)),
+)
+
+
+def make_mesh(data=1, tensor=1, expert=1, devices=None) -> Mesh:
+    """A :class:`jax.sharding.Mesh` with axes :data:`MESH_AXES` of sizes ``(data, tensor,
+    expert)`` over ``devices`` (default: all of JAX's devices), every axis of type ``Auto``
+    (the compiler propagates the shardings of the placed arrays; the MoE's expert axis is made
+    manual by its ``shard_map``).
+
+    Raises ``ValueError`` for a size that is not a positive int, or a product of the sizes that
+    differs from the number of devices."""
+    sizes = {"data": data, "tensor": tensor, "expert": expert}
+    for name, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"mesh axis {name!r} must be a positive int, got {n!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    total = data * tensor * expert
+    if total != len(devices):
+        raise ValueError(f"mesh (data={data}, tensor={tensor}, expert={expert}) needs "
+                         f"{total} devices but {len(devices)} were given (the product of the "
+                         f"axis sizes must equal the device count)")
+    return jax.make_mesh((data, tensor, expert), MESH_AXES,
+                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def axis_size(mesh: Mesh | None, axis: str) -> int:
+    """The size of mesh axis ``axis`` (1 without a mesh or without that axis)."""
+    if mesh is None:
+        return 1
+    return dict(mesh.shape).get(axis, 1)
+
+
+def check_mesh(mesh):
+    """``mesh`` if its axes are :data:`MESH_AXES` (a mesh of :func:`make_mesh`), else
+    ``ValueError``."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (make_mesh), got {type(mesh)}")
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(f"mesh axes must be {MESH_AXES} (make_mesh), got {mesh.axis_names}")
+    return mesh
+
+
+def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The :class:`PartitionSpec` of an array of ``shape`` whose dimensions have the logical
+    axes ``logical`` (``None``: replicated), by :data:`LOGICAL_AXES`. A dimension the mesh
+    axis does not divide is replicated."""
+    out = []
+    for name, n in zip(logical, shape):
+        axis = LOGICAL_AXES[name] if name is not None else None
+        out.append(axis if axis is not None and n % axis_size(mesh, axis) == 0
+                   and axis_size(mesh, axis) > 1 else None)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def _path_str(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def param_logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """The logical axes of the parameter at ``path`` (``"layer_groups/0/1/attn/wq_b/dq"``) of
+    rank ``ndim``, by :data:`PARAM_RULES`: a layer group's leaf starts with two ``"stack"``
+    axes. Raises ``ValueError`` where a rule's rank does not fit the leaf's."""
+    lead: tuple[str | None, ...] = ()
+    m = re.fullmatch(r"layer_groups/\d+/\d+/(.*)", path)
+    if m:
+        path, lead = m.group(1), ("stack", "stack")
+    for pattern, axes in PARAM_RULES:
+        if re.fullmatch(pattern, path):
+            if len(lead) + len(axes) != ndim:
+                raise ValueError(f"sharding rule {pattern!r} gives {len(lead) + len(axes)} axes "
+                                 f"but parameter {path!r} has rank {ndim}")
+            return lead + axes
+    return (lead + (None,) * ndim)[:ndim]
+
+
+def param_specs(params, mesh: Mesh):
+    """A pytree like ``params`` (the tree of :func:`dsv41_jax.model.prepare_params`) of
+    :class:`PartitionSpec` s, by :data:`PARAM_RULES` and :data:`LOGICAL_AXES`."""
+    def one(path, leaf):
+        shape = tuple(np.shape(leaf))
+        return spec_for(param_logical_axes(_path_str(path), len(shape)), shape, mesh)
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def param_shardings(params, mesh: Mesh):
+    """:func:`param_specs` as :class:`NamedSharding` s on ``mesh``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, mesh),
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+def check_experts(cfg: ModelConfig, mesh: Mesh | None):
+    """``ValueError`` unless the mesh's ``expert`` size divides the routed experts."""
+    ep = axis_size(mesh, "expert")
+    if cfg.n_routed_experts % ep:
+        raise ValueError(f"n_routed_experts={cfg.n_routed_experts} does not divide by the "
+                         f"mesh's expert axis ({ep}): each expert shard holds whole experts")
+
+
+def shard_params(params, cfg: ModelConfig, mesh: Mesh):
+    """``params`` prepared by :func:`dsv41_jax.model.prepare_params` placed on ``mesh`` by
+    :func:`param_shardings` (``jax.device_put``; arrays already placed so stay where they are).
+    Raises ``ValueError`` for a tree not prepared (no ``layer_groups``), a mesh not of
+    :func:`make_mesh` or routed experts that the ``expert`` axis does not divide."""
+    check_mesh(mesh)
+    check_experts(cfg, mesh)
+    if "layer_groups" not in params:
+        raise ValueError("params must be prepared (dsv41_jax.model.prepare_params(params, cfg)) "
+                         "before shard_params: it places the stacked layer groups")
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def batch_spec(ndim: int, batch: int, mesh: Mesh, *, strict: bool = True) -> P:
+    """``P("data")`` (batch first, the rest replicated) for an array of rank ``ndim``; with
+    ``strict=False`` a batch the ``data`` axis does not divide is replicated instead of a
+    ``ValueError``."""
+    dp = axis_size(mesh, "data")
+    if batch % dp:
+        if strict:
+            raise ValueError(f"batch {batch} does not divide by the mesh's data axis ({dp})")
+        return P()
+    return P(LOGICAL_AXES["batch"]) if dp > 1 and ndim > 0 else P()
+
+
+def state_shardings(state, mesh: Mesh, *, strict: bool = True):
+    """A pytree like ``state`` (:class:`dsv41_jax.state.InferenceState`) of
+    :class:`NamedSharding` s: every leaf split by its batch rows (its first axis) over
+    ``data``. Raises ``ValueError`` (``strict``) if ``data`` does not divide the batch."""
+    B = state.pos.shape[0]
+    return jax.tree.map(lambda a: NamedSharding(mesh, batch_spec(np.ndim(a), B, mesh,
+                                                                 strict=strict)), state)
+
+
+def shard_state(state, mesh: Mesh):
+    """``state`` placed on ``mesh`` by :func:`state_shardings` (``jax.device_put``), the host
+    positions :func:`dsv41_jax.model.host_positions` knows kept. Raises ``ValueError`` for a
+    mesh not of :func:`make_mesh` or a batch the ``data`` axis does not divide."""
+    check_mesh(mesh)
+    known = getattr(state, "_host_pos", None)
+    out = jax.device_put(state, state_shardings(state, mesh))
+    if known is not None:
+        object.__setattr__(out, "_host_pos", known)
+    return out
+
+
+def constrain_state(state, mesh: Mesh | None):
+    """Inside a compiled step: ``state`` constrained to :func:`state_shardings` (a batch the
+    ``data`` axis does not divide replicated), so a step returns the state where it found it
+    (donation reuses the buffers). No-op without a mesh."""
+    if mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, strict=False))
+
+
+def batch_sharded(x, mesh: Mesh | None):
+    """A host or device array with the batch first, placed split by rows over ``data`` (a
+    batch ``data`` does not divide: replicated). ``x`` as it is without a mesh."""
+    if mesh is None:
+        return x
+    return jax.device_put(x, NamedSharding(mesh, batch_spec(np.ndim(x), np.shape(x)[0], mesh,
+                                                             strict=False)))
+
+
+def describe(params, mesh: Mesh) -> list[tuple[str, tuple, Any]]:
+    """``(path, shape, PartitionSpec)`` of every parameter leaf that is split (for a look at
+    where things went)."""
+    out = []
+    specs = param_specs(params, mesh)
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
+                                  jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        if any(a is not None for a in spec):
+            out.append((_path_str(path), tuple(np.shape(leaf)), spec))
+    return out

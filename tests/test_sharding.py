@@ -1,0 +1,248 @@
+"""Tensor, expert and data parallelism over a device mesh (docs/architecture.md, "Sharding"):
+the sharded prefill and decode against the single-device ones, the MoE's expert parallelism on
+its own, the placement table, and the ``ValueError`` s of bad meshes.
+
+The sharded checks need 8 devices: on the CPU, ``--xla_force_host_platform_device_count=8``,
+which must be in ``XLA_FLAGS`` before JAX starts its backend. When this module is run in a
+process with fewer devices (the usual test run), :func:`test_sharded_in_subprocess` runs the
+module again in a subprocess with the flag set, and the 8-device tests skip in the parent.
+Slow: about 2.5 minutes on 2 CPU cores, nearly all of it compiling (the single-device reference
+and four meshes, a prefill and a decode step each, on the smallest config with every layer
+role; the MoE checks take 15 s).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dsv41_jax  # noqa: F401  (XLA numerics flags before JAX starts)
+from dsv41_jax import model, sharding, state as st
+from dsv41_jax.layers import moe as moe_layer
+
+from benchmarks.config import identity_token_map, tiny_config
+
+N_DEV = 8
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_8 = jax.device_count() >= N_DEV
+needs_8 = pytest.mark.skipif(not HAVE_8, reason="needs 8 devices: run by "
+                             "test_sharded_in_subprocess")
+
+#: (data, tensor, expert) meshes of the model checks.
+MESHES = [(1, 8, 1), (1, 2, 4), (2, 2, 2), (8, 1, 1)]
+
+
+@pytest.mark.skipif(HAVE_8, reason="8 devices here: the sharded tests run in this process")
+def test_sharded_in_subprocess():
+    """This module's 8-device tests, in a subprocess with 8 host CPU devices."""
+    flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEV}")
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(
+                   os.pathsep))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
+                        "-q", "-W", "ignore::DeprecationWarning", os.path.abspath(__file__)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    # the progress line: every 8-device test passed (".") and only this one skipped ("s")
+    progress = r.stdout.strip().splitlines()[0].split()[0]
+    assert set(progress) == {".", "s"} and progress.count("s") == 1, r.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------- bad meshes
+
+
+def test_make_mesh_value_errors():
+    one = jax.devices()[:1]
+    with pytest.raises(ValueError, match="needs 2 devices but 1"):
+        sharding.make_mesh(data=2, devices=one)
+    with pytest.raises(ValueError, match="needs 1 devices but 2"):
+        sharding.make_mesh(devices=jax.devices()[:1] * 2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            sharding.make_mesh(tensor=bad, devices=one)
+    mesh = sharding.make_mesh(devices=one)
+    assert mesh.axis_names == sharding.MESH_AXES and dict(mesh.shape) == {
+        "data": 1, "tensor": 1, "expert": 1}
+    other = jax.make_mesh((1,), ("x",), devices=one)
+    with pytest.raises(ValueError, match="mesh axes must be"):
+        sharding.check_mesh(other)
+
+
+@needs_8
+def test_value_errors_on_8_devices():
+    cfg, _ = tiny_config("drop")
+    with pytest.raises(ValueError, match="needs 6 devices but 8"):
+        sharding.make_mesh(data=3, tensor=2)
+    mesh = sharding.make_mesh(tensor=2, expert=4)
+    with pytest.raises(ValueError, match="n_routed_experts=6 does not divide"):
+        sharding.shard_params({}, cfg.replace(n_routed_experts=6, n_activated_experts=2), mesh)
+    with pytest.raises(ValueError, match="params must be prepared"):
+        sharding.shard_params({"layers": []}, cfg, mesh)
+    mesh = sharding.make_mesh(data=2, tensor=4)
+    state = st.init_state(cfg, 3, 8)
+    with pytest.raises(ValueError, match="batch 3 does not divide by the mesh's data axis"):
+        sharding.shard_state(state, mesh)
+    with pytest.raises(ValueError, match="batch 3 does not divide"):
+        model.prefill({}, cfg, np.zeros((3, 4), np.int32), state, mesh=mesh)
+    other = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    with pytest.raises(ValueError, match="mesh axes must be"):
+        model.decode_step({}, cfg, state, np.zeros(3, np.int32), mesh=other)
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def test_param_logical_axes():
+    ax = sharding.param_logical_axes
+    assert ax("layer_groups/1/0/attn/wq_b/dq", 4) == ("stack", "stack", "q_heads", None)
+    assert ax("layer_groups/0/0/ffn/experts/w2/fp4", 5) == ("stack", "stack", "experts", None,
+                                                            None)
+    assert ax("head/weight", 2) == ("vocab", "embed")
+    assert ax("layer_groups/0/0/attn/wkv/dq", 4) == ("stack", "stack", None, None)  # latent
+    with pytest.raises(ValueError, match="rank"):
+        ax("layer_groups/0/0/attn/attn_sink", 4)
+    one = sharding.make_mesh(devices=jax.devices()[:1])
+    assert sharding.spec_for(("q_heads", None), (8, 4), one) == P()
+
+
+# ----------------------------------------------------------------------------- the MoE alone
+
+
+def _moe_params(rng, E, D, F):
+    from dsv41_jax import quant
+
+    def experts(o, i, gain):
+        w = rng.normal(0, gain / np.sqrt(i), (E, o, i)).astype(np.float32)
+        codes, scale = quant.fp4_quantize(jnp.asarray(w), 32, "e8m0")
+        return {"weight": quant.pack_nibbles(codes), "scale": scale}
+    shared = {k: {"weight": jnp.asarray(rng.normal(0, 1 / np.sqrt(D), (F, D) if k != "w2"
+                                                       else (D, F)), jnp.bfloat16)}
+              for k in ("w1", "w3", "w2")}
+    return {"gate": {"weight": jnp.asarray(rng.normal(0, 1, (E, D)), jnp.bfloat16),
+                     "bias": jnp.asarray(rng.normal(0, 0.1, (E,)), jnp.float32)},
+            "experts": {"w1": experts(F, D, 2.0), "w3": experts(F, D, 2.0),
+                        "w2": experts(D, F, 0.5)},
+            "shared_experts": shared}
+
+
+@needs_8
+@pytest.mark.parametrize("impl", ["dense", "routed"])
+@pytest.mark.parametrize("n_tokens", [24, 3])     # 3 x 2 pairs < 8 experts: the gathered path
+def test_moe_expert_parallel_bitwise(impl, n_tokens):
+    """Expert parallelism (each shard its experts, psum) gives the single-device MoE bit for
+    bit on every path: a token's k = 2 bf16 expert outputs sum exactly in fp32, so the other
+    association of the sum changes nothing."""
+    cfg, _ = tiny_config("drop")
+    E, D, F = 8, cfg.dim, cfg.moe_inter_dim
+    cfg = cfg.replace(n_routed_experts=E, n_activated_experts=2)
+    rng = np.random.default_rng(0)
+    p = _moe_params(rng, E, D, F)
+    x = jnp.asarray(rng.normal(0, 1, (n_tokens, D)), jnp.bfloat16)
+    ref = jax.jit(lambda x, p: moe_layer.moe(x, p, cfg, None, impl=impl))(x, p)
+    for shape in [(1, 2, 4), (2, 1, 4), (1, 1, 8), (4, 2, 1)]:
+        mesh = sharding.make_mesh(*shape)
+        got = jax.jit(lambda x, p: moe_layer.moe(x, p, cfg, None, impl=impl, mesh=mesh))(x, p)
+        for a, b in zip(ref, got):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=str(shape))
+
+
+# ----------------------------------------------------------------------------- the model
+
+PROMPT_LEN, CAPACITY, DECODE_STEPS = 20, 40, 2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny config (every layer role, Engram) with 8 experts, its parameters, prompts."""
+    from dsv41_jax.random_weights import random_params_device
+    cfg, _ = tiny_config("shrink")
+    cfg = cfg.replace(n_routed_experts=8, n_activated_experts=2)
+    params = model.prepare_params(random_params_device(cfg, 0, identity_token_map(
+        cfg.vocab_size)), cfg)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (N_DEV, PROMPT_LEN)).astype(np.int32)
+    lengths = np.array([20, 13, 17, 20, 5, 20, 9, 16], np.int32)
+    steps = rng.integers(0, cfg.vocab_size, (DECODE_STEPS, N_DEV)).astype(np.int32)
+    return cfg, params, tokens, lengths, steps
+
+
+def _run(cfg, params, tokens, lengths, steps, *, mesh=None, batch_invariant=False):
+    state = st.init_state(cfg, tokens.shape[0], CAPACITY)
+    out, state = model.prefill(params, cfg, tokens, state, lengths, mesh=mesh,
+                               batch_invariant=batch_invariant)
+    logits = [np.asarray(out.logits)]
+    for t in steps:
+        lg, state = model.decode_step(params, cfg, state, t[:tokens.shape[0]], mesh=mesh,
+                                      batch_invariant=batch_invariant)
+        logits.append(np.asarray(lg))
+    return logits, state
+
+
+@pytest.fixture(scope="module")
+def single(tiny):
+    """The single-device run, every row as a batch of one (``batch_invariant``): a sharded
+    run's rows are compared with it whatever their number per device."""
+    cfg, params, tokens, lengths, steps = tiny
+    return _run(cfg, params, tokens, lengths, steps, batch_invariant=True)
+
+
+def _state_leaves(state):
+    return jax.tree_util.tree_leaves_with_path(state)
+
+
+@needs_8
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_prefill_decode_bitwise(tiny, single, shape):
+    """Prefill (CED, bounded replay: 20 tokens > window 16, ragged lengths) then decode steps
+    on a mesh: every logit and every state array equals the single-device run's bit for bit.
+
+    Why bitwise: ``tensor`` splits only independent work (heads, output groups, vocabulary
+    rows; no contraction), ``data`` splits rows (each device runs its rows; the reference runs
+    each row as a batch of one, ``batch_invariant``: a data-1 mesh runs batch-invariant too),
+    and the expert psum adds two bf16 values per token, exact in fp32 (see
+    :func:`dsv41_jax.layers.moe._expert_parallel` for when it may differ)."""
+    cfg, params, tokens, lengths, steps = tiny
+    data = shape[0]
+    B = N_DEV if data == N_DEV else 2
+    mesh = sharding.make_mesh(*shape)
+    sp = sharding.shard_params(params, cfg, mesh)
+    logits, state = _run(cfg, sp, tokens[:B], lengths[:B], steps, mesh=mesh,
+                         batch_invariant=data == 1)
+    ref_logits, ref_state = single
+    for i, (a, b) in enumerate(zip(ref_logits, logits)):
+        np.testing.assert_array_equal(b, a[:B], err_msg=f"call {i}")
+    for (path, a), (_, b) in zip(_state_leaves(ref_state), _state_leaves(state)):
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a)[:B], err_msg=name)
+        if data > 1:   # the state stays split by rows
+            assert b.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), b.ndim), (
+                name, b.sharding)
+
+
+@needs_8
+def test_placement(tiny):
+    """Where shard_params and shard_state put things on a (2, 2, 2) mesh."""
+    cfg, params, *_ = tiny
+    mesh = sharding.make_mesh(2, 2, 2)
+    sp = sharding.shard_params(params, cfg, mesh)
+    split = {path: spec for path, _, spec in sharding.describe(sp, mesh)}
+    g = next(k for k in split if k.endswith("attn/wq_b/dq"))
+    assert split[g] == P(None, None, "tensor")
+    assert split["head/weight"] == P("tensor") and split["embed/weight"] == P("tensor")
+    assert any(k.endswith("ffn/experts/w1/weight") and v == P(None, None, "expert")
+               for k, v in split.items())
+    assert not any("wkv" in k or "indexer" in k or "shared_experts" in k for k in split)
+    w1 = next(v for k, v in jax.tree_util.tree_leaves_with_path(sp["layer_groups"][0][0])
+              if jax.tree_util.keystr(k).endswith("['experts']['w1']['weight']"))
+    assert w1.addressable_shards[0].data.shape[2] == cfg.n_routed_experts // 2
+    state = sharding.shard_state(st.init_state(cfg, 4, 16), mesh)
+    for leaf in jax.tree.leaves(state):
+        assert leaf.sharding.spec == P("data")
+        assert leaf.addressable_shards[0].data.shape[0] == 2
