@@ -8,6 +8,7 @@ import collections
 import gzip
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -72,6 +73,36 @@ def trace_events(log_dir: str) -> list[dict]:
     return [dict(e, process=procs.get(e.get("pid"), "?"),
                  thread=threads.get((e.get("pid"), e.get("tid")), "?"))
             for e in events if e.get("ph") == "X"]
+
+
+def device_stream(e: dict) -> bool:
+    """Whether a trace event (:func:`benchmarks.timing.trace_events`) ran on a device's stream
+    (a kernel or a copy), not on the host or a GPU's summary lines ("XLA Ops")."""
+    return "/device:" in e["process"] and e["thread"].startswith("Stream")
+
+
+def _folded_name(e: dict) -> str:
+    return re.sub(r"\d+", "#", re.sub(r"[._]\d+$", "", e["name"]))
+
+
+def kernel_table(events: list[dict], steps: int, key=None, select=None
+                 ) -> tuple[float, float, list]:
+    """``(launches per step, ms per step, [(name, calls per step, ms per step)])`` of the
+    events of a trace of ``steps`` steps that ``select(event)`` keeps (default: the device
+    streams' events), grouped by ``key(event)`` (default: the name with its numeric suffixes
+    folded), heaviest first. Raises ``ValueError`` for ``steps`` < 1."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    key = key or _folded_name
+    dev = [e for e in events if (select or device_stream)(e)]
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for e in dev:
+        name = key(e)
+        per[name][0] += 1
+        per[name][1] += float(e.get("dur", 0.0))
+    rows = sorted(((k, n / steps, d / steps / 1e3) for k, (n, d) in per.items()),
+                  key=lambda r: -r[2])
+    return len(dev) / steps, sum(float(e.get("dur", 0.0)) for e in dev) / steps / 1e3, rows
 
 
 def device_profile(many, args_list, reps: int) -> dict:

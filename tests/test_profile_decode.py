@@ -43,3 +43,17 @@ def test_kernel_table_key_and_select(tool):
     assert [r[0] for r in rows] == ["B", "A", "C"]
     with pytest.raises(ValueError, match="steps"):
         tool.kernel_table(events, 0)
+
+
+def test_split_on_the_tiny_config(tool, tmp_path):
+    """``--tiny --split`` end to end on the CPU: the step's time is split by op group (the CPU
+    trace's host thunks stand in for device streams) and every group is named."""
+    import json
+    out = tmp_path / "split.json"
+    assert tool.main(["--tiny", "--split", "--steps", "2", "--top", "5", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    groups = {g["group"]: g for g in row["groups"]}
+    assert {"attention", "moe", "projections", "mhc", "unmatched"} <= set(groups)
+    assert sum(g["share"] for g in row["groups"]) == pytest.approx(1.0)
+    assert groups["attention"]["kernels"] > 0 and groups["moe"]["ms"] > 0
+    assert 0 < len(row["instructions"]) <= 5

@@ -19,11 +19,10 @@ trace then has no device streams).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
 import statistics
+import sys
 import tempfile
 import time
 
@@ -34,75 +33,66 @@ import numpy as np
 
 from benchmarks.config import e2e_config
 from benchmarks.e2e import decode_bytes
-from benchmarks.timing import roofline, trace_events
+from benchmarks.timing import device_stream, kernel_table, roofline, trace_events  # noqa: F401
 from dsv41_jax import model, state as st
 from dsv41_jax.layers.moe import MOE_IMPLS
 from dsv41_jax.cli.args import Parser, positive_int, positive_ints
 from dsv41_jax.random_weights import random_params_device
 
-
-def device_stream(e: dict) -> bool:
-    """Whether a trace event (:func:`benchmarks.timing.trace_events`) ran on a device's stream
-    (a kernel or a copy), not on the host or a GPU's summary lines ("XLA Ops")."""
-    return "/device:" in e["process"] and e["thread"].startswith("Stream")
-
-
-def _folded_name(e: dict) -> str:
-    return re.sub(r"\d+", "#", re.sub(r"[._]\d+$", "", e["name"]))
-
-
-def kernel_table(events: list[dict], steps: int, key=None, select=None
-                 ) -> tuple[float, float, list]:
-    """``(launches per step, ms per step, [(name, calls per step, ms per step)])`` of the
-    events of a trace of ``steps`` steps that ``select(event)`` keeps (default: the device
-    streams' events), grouped by ``key(event)`` (default: the name with its numeric suffixes
-    folded), heaviest first. Raises ``ValueError`` for ``steps`` < 1."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    key = key or _folded_name
-    dev = [e for e in events if (select or device_stream)(e)]
-    per = collections.defaultdict(lambda: [0, 0.0])
-    for e in dev:
-        name = key(e)
-        per[name][0] += 1
-        per[name][1] += float(e.get("dur", 0.0))
-    rows = sorted(((k, n / steps, d / steps / 1e3) for k, (n, d) in per.items()),
-                  key=lambda r: -r[2])
-    return len(dev) / steps, sum(float(e.get("dur", 0.0)) for e in dev) / steps / 1e3, rows
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_prefill import (capture_hlo, group_table, instruction_table,  # noqa: E402
+                             parse_hlo, split_events)
 
 
 def profile_context(params, cfg, context: int, batch: int, steps: int, top: int,
-                    moe_impl: str = "auto") -> dict:
-    """Time ``steps`` decode steps of ``batch`` rows at ``context`` tokens of context."""
+                    moe_impl: str = "auto", split: bool = False) -> dict:
+    """Time ``steps`` decode steps of ``batch`` rows at ``context`` tokens of context.
+    ``split``: also split the traced steps' device time by op group
+    (``profile_prefill.group_table``: the first call compiles ahead of time and its HLO maps
+    each kernel to its source)."""
     state = st.init_state(cfg, batch, context + 2 * steps + 8)
     state = state.replace(pos=jnp.full((batch,), context, jnp.int32))
     toks = np.random.RandomState(0).randint(0, cfg.vocab_size, (2 * steps + 8, batch))
+
+    def step(state, tok):
+        return model.decode_step(params, cfg, state, tok, moe_impl=moe_impl)
+
     t0 = time.perf_counter()
-    lg, state = model.decode_step(params, cfg, state, toks[0], moe_impl=moe_impl)
+    if split:
+        with capture_hlo() as cap:
+            lg, state = step(state, toks[0])
+    else:
+        lg, state = step(state, toks[0])
     jax.block_until_ready(lg)
     first = time.perf_counter() - t0
     synced = []
     for i in range(steps):
         t0 = time.perf_counter()
-        lg, state = model.decode_step(params, cfg, state, toks[1 + i], moe_impl=moe_impl)
+        lg, state = step(state, toks[1 + i])
         jax.block_until_ready(lg)
         synced.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     for i in range(steps // 2):
-        lg, state = model.decode_step(params, cfg, state, toks[1 + steps + i],
-                                      moe_impl=moe_impl)
+        lg, state = step(state, toks[1 + steps + i])
     jax.block_until_ready(lg)
     queued = (time.perf_counter() - t0) / (steps // 2)
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             for i in range(3):
-                lg, state = model.decode_step(params, cfg, state, toks[i], moe_impl=moe_impl)
+                lg, state = step(state, toks[i])
                 jax.block_until_ready(lg)
-        launches, device_ms, kernels = kernel_table(trace_events(log_dir), 3)
-    return {"context": context, "batch": batch, "first_call_s": first,
-            "ms_synced": 1e3 * statistics.median(synced), "ms_queued": 1e3 * queued,
-            "device_ms": device_ms, "launches": launches,
-            "bytes": decode_bytes(cfg, batch, context), "kernels": kernels[:top]}
+        events = trace_events(log_dir)
+    launches, device_ms, kernels = kernel_table(events, 3)
+    out = {"context": context, "batch": batch, "first_call_s": first,
+           "ms_synced": 1e3 * statistics.median(synced), "ms_queued": 1e3 * queued,
+           "device_ms": device_ms, "launches": launches,
+           "bytes": decode_bytes(cfg, batch, context), "kernels": kernels[:top]}
+    if split:
+        hlo = parse_hlo(cap.texts[-1])
+        source, picked = split_events(events, hlo)
+        out.update(split_source=source, groups=group_table(picked, 3, hlo),
+                   instructions=instruction_table(picked, 3, hlo, top))
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "the grouped matmul kernel's on a GPU, stored elsewhere)")
     ap.add_argument("--moe-impl", choices=MOE_IMPLS, default="auto",
                     help="routed MoE implementation (default auto: routed where the GPU kernel runs)")
+    ap.add_argument("--split", action="store_true",
+                    help="also split the device time by op group (as tools/profile_prefill.py)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap
 
@@ -138,7 +130,7 @@ def main(argv=None) -> int:
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "roofline": roof, "rows": []}
     for ctx in args.contexts:
         r = profile_context(params, cfg, ctx, args.batch, max(args.steps, 2), args.top,
-                            args.moe_impl)
+                            args.moe_impl, args.split)
         r["floor_ms"] = 1e3 * r["bytes"] / (roof["copy_GBps"] * 1e9)
         res["rows"].append(r)
         print(f"context {ctx}, batch {args.batch}: {r['ms_queued']:.2f} ms per step queued "
@@ -147,6 +139,12 @@ def main(argv=None) -> int:
               f"{r['launches']:.0f} launches; first call {r['first_call_s']:.1f} s", flush=True)
         for k, n, ms in r["kernels"]:
             print(f"    {ms:8.3f} ms  x{n:7.1f}  {k[:90]}")
+        for g in r.get("groups", []):
+            print(f"    {g['group']:<14} {g['kernels']:7.1f} kernels {g['ms']:8.3f} ms "
+                  f"{100 * g['share']:5.1f}%")
+        for ins in r.get("instructions", []):
+            print(f"    {ins['ms']:8.3f} ms x{ins['kernels']:6.1f} {ins['group']:<12} "
+                  f"{ins['opcode']:<10} {ins['source'][-60:]}  {ins['name'][:40]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -54,15 +54,13 @@ import jax
 
 from benchmarks.config import E2E_CONFIGS, e2e_config
 from benchmarks.e2e import MODES, prefill_all, prompt_tokens
-from benchmarks.timing import trace_events, write_json, xla_compiles
+from benchmarks.timing import device_stream, kernel_table, trace_events, write_json, xla_compiles
 from dsv41_jax import model, state as st
 from dsv41_jax.cli.args import Parser, positive_int, positive_ints
 from dsv41_jax.layers.moe import MOE_IMPLS
 from dsv41_jax.random_weights import random_params_device
 from pallas_kernels.impls import check_family
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_decode import device_stream, kernel_table  # noqa: E402  (tools/ is not a package)
 
 # ----------------------------------------------------------------------------- classifier
 
