@@ -566,6 +566,9 @@ class TrainModel(nnx.Module):
     form, for :func:`train_forward` and :func:`export_tensors`)."""
 
     def __init__(self, tp: dict, cfg: ModelConfig):
+        # committed to the default device, as orbax restores them: a restored run then
+        # reuses the compiled step (jit's cache tells committed from uncommitted inputs)
+        tp = jax.device_put(tp, jax.devices()[0])
         trainable, biases, consts = split_biases(tp)
         self.cfg = cfg
         self.params = nnx.data(jax.tree.map(nnx.Param, trainable))
@@ -595,15 +598,23 @@ def make_schedule(lr: float, warmup_steps: int, total_steps: int, final_frac: fl
                                               end_value=lr * final_frac)
 
 
-def make_optimizer(model: TrainModel, *, lr: float = 3e-3, warmup_steps: int = 100,
-                   total_steps: int = 1000, weight_decay: float = 0.1, clip_norm: float = 1.0,
-                   b1: float = 0.9, b2: float = 0.95) -> nnx.Optimizer:
-    """``nnx.Optimizer`` over ``model``'s ``nnx.Param`` leaves: global-norm clipping, then
-    AdamW (fp32 moments; decay on matrices only) with :func:`make_schedule`."""
-    tx = optax.chain(optax.clip_by_global_norm(clip_norm),
-                     optax.adamw(make_schedule(lr, warmup_steps, total_steps), b1=b1, b2=b2,
-                                 weight_decay=weight_decay, mask=_decay_mask))
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+def make_tx(*, lr: float = 3e-3, warmup_steps: int = 100, total_steps: int = 1000,
+            weight_decay: float = 0.1, clip_norm: float = 1.0, b1: float = 0.9,
+            b2: float = 0.95, final_frac: float = 0.1) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (fp32 moments; decay on matrices only) with
+    :func:`make_schedule`."""
+    return optax.chain(optax.clip_by_global_norm(clip_norm),
+                       optax.adamw(make_schedule(lr, warmup_steps, total_steps, final_frac),
+                                   b1=b1, b2=b2, weight_decay=weight_decay, mask=_decay_mask))
+
+
+def make_optimizer(model: TrainModel, tx: optax.GradientTransformation | None = None,
+                   **hparams) -> nnx.Optimizer:
+    """``nnx.Optimizer`` over ``model``'s ``nnx.Param`` leaves with ``tx`` (default
+    :func:`make_tx` of ``hparams``). :func:`train_step` compiles once per ``tx`` object (it
+    is part of the optimizer's static structure): pass the same one to a resumed optimizer
+    to reuse the compiled step."""
+    return nnx.Optimizer(model, tx if tx is not None else make_tx(**hparams), wrt=nnx.Param)
 
 
 @functools.partial(nnx.jit, static_argnames=("distill_weight", "bias_rate"))
