@@ -598,23 +598,45 @@ def make_schedule(lr: float, warmup_steps: int, total_steps: int, final_frac: fl
                                               end_value=lr * final_frac)
 
 
-def make_tx(*, lr: float = 3e-3, warmup_steps: int = 100, total_steps: int = 1000,
-            weight_decay: float = 0.1, clip_norm: float = 1.0, b1: float = 0.9,
-            b2: float = 0.95, final_frac: float = 0.1) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW (fp32 moments; decay on matrices only) with
-    :func:`make_schedule`."""
-    return optax.chain(optax.clip_by_global_norm(clip_norm),
-                       optax.adamw(make_schedule(lr, warmup_steps, total_steps, final_frac),
-                                   b1=b1, b2=b2, weight_decay=weight_decay, mask=_decay_mask))
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """The optimizer, described by value: global-norm clipping (``clip_norm``), then AdamW
+    (fp32 moments; weight decay on matrices only) with :func:`make_schedule` (warm-up to
+    ``lr`` over ``warmup_steps``, cosine decay to ``final_frac * lr`` at ``total_steps``).
+
+    It is an optax gradient transformation (``init`` / ``update`` of the chain, built on
+    use): being compared by value, two optimizers with the same settings share the compiled
+    :func:`train_step` (an optax chain is a pair of closures, new with every call)."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    total_steps: int = 1000
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    final_frac: float = 0.1
+
+    def chain(self) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(self.clip_norm),
+            optax.adamw(make_schedule(self.lr, self.warmup_steps, self.total_steps,
+                                      self.final_frac),
+                        b1=self.b1, b2=self.b2, weight_decay=self.weight_decay,
+                        mask=_decay_mask))
+
+    def init(self, params):
+        return self.chain().init(params)
+
+    def update(self, updates, state, params=None):
+        return self.chain().update(updates, state, params)
 
 
-def make_optimizer(model: TrainModel, tx: optax.GradientTransformation | None = None,
-                   **hparams) -> nnx.Optimizer:
+def make_optimizer(model: TrainModel, tx: AdamW | optax.GradientTransformation | None = None
+                   ) -> nnx.Optimizer:
     """``nnx.Optimizer`` over ``model``'s ``nnx.Param`` leaves with ``tx`` (default
-    :func:`make_tx` of ``hparams``). :func:`train_step` compiles once per ``tx`` object (it
-    is part of the optimizer's static structure): pass the same one to a resumed optimizer
-    to reuse the compiled step."""
-    return nnx.Optimizer(model, tx if tx is not None else make_tx(**hparams), wrt=nnx.Param)
+    :class:`AdamW`'s defaults)."""
+    return nnx.Optimizer(model, tx if tx is not None else AdamW(), wrt=nnx.Param)
 
 
 @functools.partial(nnx.jit, static_argnames=("distill_weight", "bias_rate"))

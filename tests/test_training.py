@@ -3,6 +3,11 @@ model, its gradients match finite differences for every kind of parameter, a fix
 overfit, a run resumed from an orbax checkpoint continues bit-exactly, and the exported
 checkpoint goes through the reference loader."""
 
+import importlib.util
+import json
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +20,22 @@ from dsv41_jax.config import LayerPlan
 from dsv41_jax.layers import engram as engram_layer
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.linear import rms_norm
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(f"_{name}", os.path.join(ROOT, "scripts",
+                                                                           f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# scripts/train_config.py:tiny; the tests below train with the same optimizer and shapes, so
+# that they and the scripts/train.py smoke run share one compiled step
+TINY_RUN = _script("train_config").get_config("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -167,16 +188,17 @@ def test_gradients_match_finite_differences(tiny):
 
 @pytest.fixture(scope="module")
 def trained(tiny, tmp_path_factory):
-    """Six steps of training on a fixed batch from the tiny parameters, with an orbax
-    checkpoint after the third: ``(model, optimizer, metrics, checkpoint manager, batch)``."""
+    """Six steps of training on a fixed batch from the tiny parameters (the tiny run's
+    optimizer: lr 1e-2, 2 warm-up steps), with an orbax checkpoint after the third: ``(model, optimizer, metrics, checkpoint manager, batch)``."""
     cfg, tp = tiny
-    tx = training.make_tx(lr=1e-2, warmup_steps=2, total_steps=30)
+    tx = training.AdamW(**TINY_RUN.optim.to_dict(), total_steps=TINY_RUN.steps)
     m, opt = _fresh(cfg, tp, tx)
-    batch = _tokens(cfg, (2, 33), seed=5)
+    batch = _tokens(cfg, (TINY_RUN.batch_size, TINY_RUN.seq_len + 1), seed=5)
     mgr = ocp.CheckpointManager(tmp_path_factory.mktemp("orbax"))
     metrics = []
     for step in range(6):
-        metrics.append(training.train_step(m, opt, batch))
+        metrics.append(training.train_step(m, opt, batch, distill_weight=TINY_RUN.distill_weight,
+                                           bias_rate=TINY_RUN.bias_rate))
         if step == 2:
             mgr.save(3, args=ocp.args.StandardSave(training.checkpoint_state(m, opt)))
             mgr.wait_until_finished()
@@ -189,7 +211,7 @@ def _fresh(cfg, tp, tx):
 
 
 def test_overfits_a_fixed_batch(trained):
-    """Six AdamW steps on one batch (lr 1e-2 after a 2-step warm-up) take the LM loss from
+    """Six AdamW steps on one batch (lr 1e-2 after a 2-step warm-up, cosine to 1e-3) take the LM loss from
     ~ln(512) to less than half of it; the distillation loss falls too, and the router biases
     moved (by the balancing rule, +-1e-3 per step)."""
     m, _, metrics, _, _, _ = trained
@@ -216,7 +238,8 @@ def test_resume_from_orbax_is_bit_exact(tiny, trained):
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, training.checkpoint_state(m2, o2))
     training.restore_state(m2, o2, mgr.restore(3, args=ocp.args.StandardRestore(abstract)))
     for _ in range(3):
-        training.train_step(m2, o2, batch)
+        training.train_step(m2, o2, batch, distill_weight=TINY_RUN.distill_weight,
+                            bias_rate=TINY_RUN.bias_rate)
     a = jax.tree.leaves(training.checkpoint_state(m1, o1))
     b = jax.tree.leaves(training.checkpoint_state(m2, o2))
     assert len(a) == len(b) > 100
@@ -242,3 +265,36 @@ def test_export_goes_through_the_reference_loader(tiny, trained):
         assert _rel(_get(back, path), _get(tp, path)) < tol, path
     np.testing.assert_array_equal(np.asarray(back["layers"][0]["ffn"]["gate"]["bias"]),
                                   np.asarray(tp["layers"][0]["ffn"]["gate"]["bias"]))
+
+
+def test_train_script_smoke_and_resume(tmp_path):
+    """scripts/train.py on the tiny run config (6 steps on random tokens of the tiny
+    vocabulary): history, validation losses, loss curve, orbax checkpoints, a reference-format
+    export that the loader reads (summary: its validation loss under the inference numerics
+    within 0.5 nats of the training-time one: FP8 / FP4 on a 6-step model); then the step-6
+    checkpoint removed and the run restarted: it resumes at step 3 and exports bit for bit
+    the same checkpoint."""
+    train = _script("train")
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(3, 512, 4000).astype(np.uint32).tofile(data / "train.bin")
+    rng.integers(3, 512, 500).astype(np.uint32).tofile(data / "val.bin")
+    c = TINY_RUN.copy_and_resolve_references()
+    c.data, c.out = str(data), str(tmp_path / "out")
+    c.quantised_eval = False
+    s = train.run(c)
+    hist = json.load(open(tmp_path / "out" / "history.json"))
+    assert [r["step"] for r in hist["val"]] == [3, 6]
+    assert len(hist["train"]) == 6 and s["train_loss"] == hist["train"][-1]["lm"]
+    assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
+    ck = tmp_path / "out" / "checkpoint"
+    cfg, _ = tiny_config()
+    loaded_cfg, params = checkpoint.load_params(str(ck), tokenizer_map=identity_token_map(512))
+    assert loaded_cfg == cfg and params["layers"][2]["ffn"]["experts"]["w1"]["weight"].dtype \
+        == np.uint8
+    first = (ck / "model.safetensors").read_bytes()
+    shutil.rmtree(tmp_path / "out" / "orbax" / "6")
+    s2 = train.run(c)
+    assert (ck / "model.safetensors").read_bytes() == first
+    assert s2["val_loss"] == s["val_loss"]
