@@ -635,8 +635,12 @@ class AdamW:
 def make_optimizer(model: TrainModel, tx: AdamW | optax.GradientTransformation | None = None
                    ) -> nnx.Optimizer:
     """``nnx.Optimizer`` over ``model``'s ``nnx.Param`` leaves with ``tx`` (default
-    :class:`AdamW`'s defaults)."""
-    return nnx.Optimizer(model, tx if tx is not None else AdamW(), wrt=nnx.Param)
+    :class:`AdamW`'s defaults). Its state is committed to the default device, like the
+    model's (:class:`TrainModel`) and like what a step returns: the second step then reuses
+    the first one's compiled program (jit's cache tells committed from uncommitted inputs)."""
+    opt = nnx.Optimizer(model, tx if tx is not None else AdamW(), wrt=nnx.Param)
+    nnx.update(opt, jax.device_put(nnx.state(opt), jax.devices()[0]))
+    return opt
 
 
 @functools.partial(nnx.jit, static_argnames=("distill_weight", "bias_rate"))
