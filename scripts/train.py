@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from absl import app
+from absl import app, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -213,6 +213,8 @@ def run(c) -> dict:
         with open(os.path.join(ck, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=1)
         summary["export_bytes"] = os.path.getsize(os.path.join(ck, "model.safetensors"))
+        with open(os.path.join(c.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
         if c.quantised_eval:
             params = checkpoint.params_from_tensors(flat, cfg, tmap)
             losses = []
@@ -228,6 +230,7 @@ def run(c) -> dict:
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
     run(_CONFIG.value)
 
 
