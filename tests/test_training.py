@@ -189,7 +189,8 @@ def test_gradients_match_finite_differences(tiny):
 @pytest.fixture(scope="module")
 def trained(tiny, tmp_path_factory):
     """Six steps of training on a fixed batch from the tiny parameters (the tiny run's
-    optimizer: lr 1e-2, 2 warm-up steps), with an orbax checkpoint after the third: ``(model, optimizer, metrics, checkpoint manager, batch)``."""
+    optimizer: lr 1e-2, 2 warm-up steps), with an orbax checkpoint after the third:
+    ``(model, optimizer, metrics, checkpoint manager, batch, optimizer transformation)``."""
     cfg, tp = tiny
     tx = training.AdamW(**TINY_RUN.optim.to_dict(), total_steps=TINY_RUN.steps)
     m, opt = _fresh(cfg, tp, tx)
@@ -210,28 +211,23 @@ def _fresh(cfg, tp, tx):
     return m, training.make_optimizer(m, tx)
 
 
-def test_overfits_a_fixed_batch(trained):
-    """Six AdamW steps on one batch (lr 1e-2 after a 2-step warm-up, cosine to 1e-3) take the LM loss from
-    ~ln(512) to less than half of it; the distillation loss falls too, and the router biases
-    moved (by the balancing rule, +-1e-3 per step)."""
+def test_overfits_a_fixed_batch(tiny, trained):
+    """Six AdamW steps on one batch (lr 1e-2 after a 2-step warm-up, cosine to 1e-3) take
+    the LM loss from ~ln(512) to less than half of it; the distillation loss falls too, and
+    the router biases moved (by the balancing rule, +-1e-3 per step)."""
     m, _, metrics, _, _, _ = trained
     lm = [float(x["lm"]) for x in metrics]
     assert lm[0] > 6.0 and lm[-1] < 0.5 * lm[0], lm
     assert float(metrics[-1]["distill"]) < float(metrics[0]["distill"])
     moved = np.abs(np.asarray(m.router_bias[0].get_value())
-                   - np.asarray(trained_from(m)["layers"][0]["ffn"]["gate"]["bias"]))
+                   - np.asarray(tiny[1]["layers"][0]["ffn"]["gate"]["bias"]))
     assert moved.max() > 0 and moved.max() <= 6e-3 + 1e-6
-
-
-def trained_from(m):
-    """The initial training tree of the tiny fixture (what ``m`` started from)."""
-    return training.init_train_params(m.cfg, 0, identity_token_map(m.cfg.vocab_size))
 
 
 def test_resume_from_orbax_is_bit_exact(tiny, trained):
     """A fresh model and optimizer restored from the step-3 orbax checkpoint and trained on
-    the same batches (the same optax chain: the compiled step is reused) reach bitwise the parameters, moments, step and biases of the run that
-    never stopped."""
+    the same batches (the same optimizer: the compiled step is reused) reach bitwise the
+    parameters, moments, step and biases of the run that never stopped."""
     cfg, tp = tiny
     m1, o1, _, mgr, batch, tx = trained
     m2, o2 = _fresh(cfg, tp, tx)
@@ -298,3 +294,22 @@ def test_train_script_smoke_and_resume(tmp_path):
     s2 = train.run(c)
     assert (ck / "model.safetensors").read_bytes() == first
     assert s2["val_loss"] == s["val_loss"]
+
+
+def test_demo_config_keeps_the_release_layout_in_25_mb():
+    """configs/demo.json: every layer role (SWA-only, ratio-2 Full + Reuse, ratio-1 Full with
+    the candidate pool, Reuse, Reindex over the pool), Engram on two layers, the real
+    vocabulary and tokenizer map, and at most 25 MB in the reference format."""
+    from dsv41_jax.config import ModelConfig
+    cfg = ModelConfig.from_json(os.path.join(ROOT, "configs", "demo.json"))
+    roles = LayerPlan.from_config(cfg).roles
+    kinds = {(r.mode, r.ratio, r.is_candidate_source, r.uses_candidates) for r in roles}
+    assert kinds >= {("swa", 0, False, False), ("full", 2, False, False),
+                     ("reuse", 2, False, False), ("full", 1, True, False),
+                     ("reuse", 1, False, False), ("reindex", 1, False, True)}
+    assert len(cfg.engram_layer_ids) == 2 and cfg.vocab_size == 129280
+    assert cfg.engram_compressed_vocab_size == 99092
+    size = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1}
+    stored = sum(int(np.prod(shape)) * size[dts[0]]
+                 for shape, dts in checkpoint.expected_tensors(cfg).values())
+    assert stored <= 25e6, stored
