@@ -219,7 +219,9 @@ def run(c) -> dict:
             params = checkpoint.params_from_tensors(flat, cfg, tmap)
             losses = []
             for b in vb:
-                lg = model.forward(params, cfg, b[:, :-1]).all_logits
+                # the XLA path: the reference numerics on any device and shape (the GPU
+                # kernels compute the same values where they apply)
+                lg = model.forward(params, cfg, b[:, :-1], attn_impl="xla").all_logits
                 losses.append(float(training.token_loss(lg, b[:, 1:])))
             summary["quantised_val_loss"] = float(np.mean(losses))
     with open(os.path.join(c.out, "summary.json"), "w") as f:
