@@ -205,6 +205,13 @@ def export_tensors(tp: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
+def inference_params(tp: dict, cfg: ModelConfig, tokenizer_map=None) -> dict:
+    """The inference pytree of a training tree, quantised as the export stores it:
+    :func:`dsv41_jax.checkpoint.params_from_tensors` of :func:`export_tensors` (what
+    ``model.forward`` / ``prefill`` / ``decode_step`` take)."""
+    return params_from_tensors(export_tensors(tp, cfg), cfg, tokenizer_map)
+
+
 # ----------------------------------------------------------------------------- forward
 
 

@@ -216,7 +216,7 @@ def run(c) -> dict:
         with open(os.path.join(c.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         if c.quantised_eval:
-            params = checkpoint.params_from_tensors(flat, cfg, tmap)
+            params = checkpoint.params_from_tensors(flat, cfg, tmap)   # = inference_params
             losses = []
             for b in vb:
                 # the XLA path: the reference numerics on any device and shape (the GPU
