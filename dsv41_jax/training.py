@@ -51,7 +51,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dsv41_jax import quant, random_weights
+from dsv41_jax import quant, random_weights, sharding
 from dsv41_jax.checkpoint import expected_tensors, params_from_tensors
 from dsv41_jax.config import LayerPlan, LayerRole, ModelConfig
 from dsv41_jax.dtypes import F32, HIGHEST
@@ -566,9 +566,18 @@ def _leaf(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def _param(path, value) -> nnx.Param:
+    """An ``nnx.Param`` with the sharding schema's logical axes of its path as metadata
+    (``logical_axes``; :func:`dsv41_jax.sharding.param_logical_axes`, a layer's path without
+    its ``layers/<i>/`` prefix)."""
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    name = name.split("/", 2)[2] if name.startswith("layers/") else name
+    return nnx.Param(value, logical_axes=sharding.param_logical_axes(name, value.ndim))
+
+
 class TrainModel(nnx.Module):
     """The training parameters in Flax NNX: ``params`` (``nnx.Param`` leaves, the training
-    form without the gate biases), ``router_bias`` (one :class:`RouterBias` per layer) and
+    form without the gate biases; each with the sharding schema's ``logical_axes``), ``router_bias`` (one :class:`RouterBias` per layer) and
     ``consts`` (:class:`Constant`). :meth:`tree` gives the plain pytree back (the training
     form, for :func:`train_forward` and :func:`export_tensors`)."""
 
@@ -578,7 +587,7 @@ class TrainModel(nnx.Module):
         tp = jax.device_put(tp, jax.devices()[0])
         trainable, biases, consts = split_biases(tp)
         self.cfg = cfg
-        self.params = nnx.data(jax.tree.map(nnx.Param, trainable))
+        self.params = nnx.data(jax.tree_util.tree_map_with_path(_param, trainable))
         self.router_bias = nnx.data([RouterBias(b) for b in biases])
         self.consts = nnx.data(jax.tree.map(Constant, consts))
 

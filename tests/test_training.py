@@ -214,7 +214,8 @@ def _fresh(cfg, tp, tx):
 def test_overfits_a_fixed_batch(tiny, trained):
     """Six AdamW steps on one batch (lr 1e-2 after a 2-step warm-up, cosine to 1e-3) take
     the LM loss from ~ln(512) to less than half of it; the distillation loss falls too, and
-    the router biases moved (by the balancing rule, +-1e-3 per step)."""
+    the router biases moved (by the balancing rule, +-1e-3 per step). The parameters carry
+    the sharding schema's logical axes."""
     m, _, metrics, _, _, _ = trained
     lm = [float(x["lm"]) for x in metrics]
     assert lm[0] > 6.0 and lm[-1] < 0.5 * lm[0], lm
@@ -222,6 +223,9 @@ def test_overfits_a_fixed_batch(tiny, trained):
     moved = np.abs(np.asarray(m.router_bias[0].get_value())
                    - np.asarray(tiny[1]["layers"][0]["ffn"]["gate"]["bias"]))
     assert moved.max() > 0 and moved.max() <= 6e-3 + 1e-6
+    p = m.params["layers"][2]["ffn"]["experts"]["w1"]["weight"]
+    assert p.get_metadata()["logical_axes"] == ("experts", None, None)
+    assert m.params["head"]["weight"].get_metadata()["logical_axes"] == ("vocab", "embed")
 
 
 def test_resume_from_orbax_is_bit_exact(tiny, trained):
