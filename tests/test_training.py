@@ -317,3 +317,20 @@ def test_demo_config_keeps_the_release_layout_in_25_mb():
     stored = sum(int(np.prod(shape)) * size[dts[0]]
                  for shape, dts in checkpoint.expected_tensors(cfg).values())
     assert stored <= 25e6, stored
+
+
+def test_prepare_data_splits_by_document():
+    """scripts/prepare_data.py: the split is by whole documents, disjoint, covering all,
+    reproducible with the seed; the unigram cross entropy is that of the smoothed counts; a
+    split of one document or a fraction outside (0, 1) is refused."""
+    prep = _script("prepare_data")
+    names = [f"doc{i}" for i in range(43)]
+    train, val = prep.split_documents(names, 0.1, 0)
+    assert len(val) == 4 and not set(train) & set(val) and sorted(train + val) == sorted(names)
+    assert prep.split_documents(names, 0.1, 0) == (train, val)
+    assert prep.split_documents(names, 0.1, 1) != (train, val)
+    h = prep.unigram_entropy(np.array([0, 0, 1]), np.array([0, 1]), 3)
+    assert h == pytest.approx(-(np.log(3 / 6) + np.log(2 / 6)) / 2)
+    for bad in ((["a"], 0.1), (names, 0.0), (names, 1.0)):
+        with pytest.raises(ValueError):
+            prep.split_documents(*bad, 0)
