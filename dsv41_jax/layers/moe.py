@@ -79,11 +79,12 @@ def _routed_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"
     ids = jnp.take_along_axis(idx, order, axis=-1)
     ws = jnp.take_along_axis(w, order, axis=-1)
 
-    def one_token(xt, ids_t, ws_t):
-        pe = jax.tree.map(lambda a: a[ids_t], experts)          # k experts' packed weights
-        return jax.vmap(lambda pe_j, w_j: expert(xt[None], pe_j, limit, w_j[None])[0])(pe, ws_t)
-
-    ys = jax.vmap(one_token)(x, ids, ws)                        # bf16 [N, k, D]
+    # One vmap over the N * k (token, expert) pairs (each pair its own expert call, as a vmap
+    # over tokens of a vmap over their experts would run it, at half the tracing).
+    pe = jax.tree.map(lambda a: a[ids.reshape(-1)], experts)    # packed weights per pair
+    xp = jnp.repeat(x, k, axis=0)
+    ys = jax.vmap(lambda x_p, pe_p, w_p: expert(x_p[None], pe_p, limit, w_p[None])[0])(
+        xp, pe, ws.reshape(-1)).reshape(N, k, -1)               # bf16 [N, k, D]
     acc = jnp.zeros(x.shape, F32)
     for j in range(k):
         acc = acc + ys[:, j].astype(F32)
