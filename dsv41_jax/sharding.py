@@ -98,6 +98,42 @@ def make_mesh(data=1, tensor=1, expert=1, devices=None) -> Mesh:
                          axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
+def parse_mesh_spec(text: str, flag: str | None = "--mesh") -> dict[str, int]:
+    """The axis sizes of a mesh written ``"data=1,tensor=2,expert=4"`` (the command lines'
+    ``--mesh``): a comma list of ``axis=size`` with axes of :data:`MESH_AXES`, each at most
+    once, sizes positive ints; an axis left out has size 1. Returns ``{"data": ..., "tensor":
+    ..., "expert": ...}`` for :func:`make_mesh` (``make_mesh(**parse_mesh_spec(text))``).
+
+    Raises ``ValueError`` starting with ``flag`` (when not None) for an empty spec, an item
+    without ``=``, an unknown or repeated axis, or a size that is not an integer >= 1."""
+    pre = f"{flag}: " if flag else ""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{pre}empty mesh spec {text!r}; expected e.g. "
+                         f"'data=1,tensor=2,expert=4'")
+    seen = set()
+    for item in items:
+        name, eq, value = (x.strip() for x in item.partition("="))
+        if not eq:
+            raise ValueError(f"{pre}{item!r} is not axis=size (e.g. 'tensor=2')")
+        if name not in MESH_AXES:
+            raise ValueError(f"{pre}unknown mesh axis {name!r}; the axes are "
+                             f"{', '.join(MESH_AXES)}")
+        if name in seen:
+            raise ValueError(f"{pre}mesh axis {name!r} given twice")
+        seen.add(name)
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"{pre}the size of {name!r} must be an integer >= 1, got "
+                             f"{value!r}") from None
+        if n < 1:
+            raise ValueError(f"{pre}the size of {name!r} must be an integer >= 1, got {n}")
+        sizes[name] = n
+    return sizes
+
+
 def axis_size(mesh: Mesh | None, axis: str) -> int:
     """The size of mesh axis ``axis`` (1 without a mesh or without that axis)."""
     if mesh is None:

@@ -309,6 +309,12 @@ def _refused(argv, capsys) -> str:
     (["--compile-cache", ""], "argument --compile-cache: compile cache directory: empty"),
     (["--compile-cache", SMALL], f"argument --compile-cache: {os.path.abspath(SMALL)} is not a "
                                  "directory"),
+    (["--mesh", "tensor=2,tensor=4"], "argument --mesh: mesh axis 'tensor' given twice"),
+    (["--mesh", "tensor"], "argument --mesh: 'tensor' is not axis=size (e.g. 'tensor=2')"),
+    (["--mesh", ""], "argument --mesh: empty mesh spec ''"),
+    (["--mesh", "data=x"], "argument --mesh: the size of 'data' must be an integer >= 1, got 'x'"),
+    (["--mesh", "tensor=2,expert=4"], "argument --mesh: mesh (data=1, tensor=2, expert=4) needs "
+                                      "8 devices but 1 were given"),
 ])
 def test_refused_options(argv, match, capsys):
     assert match in _refused(argv, capsys)

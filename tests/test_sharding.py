@@ -14,6 +14,7 @@ role; the MoE checks take 15 s).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -24,8 +25,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dsv41_jax  # noqa: F401  (XLA numerics flags before JAX starts)
-from dsv41_jax import model, sharding, state as st
+from dsv41_jax import generation, model, sharding, state as st
 from dsv41_jax.layers import moe as moe_layer
+from dsv41_jax.sampling import SamplingParams
 
 from benchmarks.config import identity_token_map, tiny_config
 
@@ -73,6 +75,29 @@ def test_make_mesh_value_errors():
     other = jax.make_mesh((1,), ("x",), devices=one)
     with pytest.raises(ValueError, match="mesh axes must be"):
         sharding.check_mesh(other)
+
+
+def test_parse_mesh_spec():
+    """``--mesh`` of the command lines: ``axis=size`` items, an axis left out is 1; a bad spec
+    is a ValueError naming the flag."""
+    parse = sharding.parse_mesh_spec
+    assert parse("data=1,tensor=2,expert=4") == {"data": 1, "tensor": 2, "expert": 4}
+    assert parse(" expert = 8 ,") == {"data": 1, "tensor": 1, "expert": 8}
+    assert parse("tensor=2,data=4") == {"data": 4, "tensor": 2, "expert": 1}
+    for bad, match in [("", "empty mesh spec"), (" , ", "empty mesh spec"),
+                       ("tensor", "'tensor' is not axis=size"),
+                       ("model=2", "unknown mesh axis 'model'; the axes are data, tensor, "
+                                   "expert"),
+                       ("data=2,data=2", "mesh axis 'data' given twice"),
+                       ("tensor=two", "the size of 'tensor' must be an integer >= 1, got 'two'"),
+                       ("expert=0", "the size of 'expert' must be an integer >= 1, got 0"),
+                       ("expert=-2", "got -2"), ("data=1.5", "got '1.5'")]:
+        with pytest.raises(ValueError, match="^--mesh: " + re.escape(match)):
+            parse(bad)
+    with pytest.raises(ValueError, match="^--layout: unknown mesh axis"):
+        parse("x=1", flag="--layout")
+    one = sharding.make_mesh(**parse("data=1"), devices=jax.devices()[:1])
+    assert dict(one.shape) == {"data": 1, "tensor": 1, "expert": 1}
 
 
 @needs_8
@@ -224,6 +249,58 @@ def test_sharded_prefill_decode_bitwise(tiny, single, shape):
         if data > 1:   # the state stays split by rows
             assert b.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), b.ndim), (
                 name, b.sharding)
+
+
+GEN_TOKENS = 3
+#: the generation loop's meshes: every axis split and both paths of the model step (rows one
+#: at a time on a data-1 mesh, one row per device on a data-2 mesh); the other two meshes run
+#: the same model steps in test_sharded_prefill_decode_bitwise, and each mesh here costs a
+#: compilation of the loop (~15 s on 2 cores)
+GEN_MESHES = [(1, 2, 4), (2, 2, 2)]
+#: sampled, not greedy: the tokens vary more than a tiny random model's argmax, and the
+#: sampling's random bits must not depend on the sharding
+GEN_SAMPLING = SamplingParams(temperature=1.0)
+
+
+def _generate(cfg, params, tokens, lengths, *, mesh=None, batch_invariant=False):
+    state = st.init_state(cfg, tokens.shape[0], CAPACITY)
+    out, state = model.prefill(params, cfg, tokens, state, lengths, mesh=mesh,
+                               batch_invariant=batch_invariant)
+    return generation.generate(params, cfg, state, out.logits, max_new_tokens=GEN_TOKENS,
+                               sampling=GEN_SAMPLING, seed=3, mesh=mesh,
+                               batch_invariant=batch_invariant)
+
+
+@pytest.fixture(scope="module")
+def single_generated(tiny):
+    """:func:`generation.generate` on one device after the prefill, every row as a batch of
+    one."""
+    cfg, params, tokens, lengths, _ = tiny
+    return _generate(cfg, params, tokens, lengths, batch_invariant=True)
+
+
+@needs_8
+@pytest.mark.parametrize("shape", GEN_MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_generate_bitwise(tiny, single_generated, shape):
+    """Prefill then :func:`generation.generate` (the compiled loop of sample-then-decode
+    steps) on a mesh: the generated tokens, their counts and every state array equal the
+    single-device run's (bitwise, for the reasons of
+    :func:`test_sharded_prefill_decode_bitwise`)."""
+    cfg, params, tokens, lengths, _ = tiny
+    data = shape[0]
+    B = N_DEV if data == N_DEV else 2
+    mesh = sharding.make_mesh(*shape)
+    res = _generate(cfg, sharding.shard_params(params, cfg, mesh), tokens[:B], lengths[:B],
+                    mesh=mesh, batch_invariant=data == 1)
+    ref = single_generated
+    assert len(set(np.asarray(ref.tokens).ravel().tolist())) > 3   # not a constant
+    np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens)[:B])
+    np.testing.assert_array_equal(np.asarray(res.lengths), np.asarray(ref.lengths)[:B])
+    for (path, a), (_, b) in zip(_state_leaves(ref.state), _state_leaves(res.state)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a)[:B],
+                                      err_msg=jax.tree_util.keystr(path))
+        if data > 1:
+            assert b.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), b.ndim)
 
 
 @needs_8
