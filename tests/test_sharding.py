@@ -91,7 +91,8 @@ def test_parse_mesh_spec():
                        ("data=2,data=2", "mesh axis 'data' given twice"),
                        ("tensor=two", "the size of 'tensor' must be an integer >= 1, got 'two'"),
                        ("expert=0", "the size of 'expert' must be an integer >= 1, got 0"),
-                       ("expert=-2", "got -2"), ("data=1.5", "got '1.5'")]:
+                       ("expert=-2", "the size of 'expert' must be an integer >= 1, got -2"),
+                       ("data=1.5", "the size of 'data' must be an integer >= 1, got '1.5'")]:
         with pytest.raises(ValueError, match="^--mesh: " + re.escape(match)):
             parse(bad)
     with pytest.raises(ValueError, match="^--layout: unknown mesh axis"):
