@@ -25,7 +25,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dsv41_jax  # noqa: F401  (XLA numerics flags before JAX starts)
-from dsv41_jax import generation, model, sharding, state as st
+from dsv41_jax import converted, generation, model, sharding, state as st
 from dsv41_jax.layers import moe as moe_layer
 from dsv41_jax.sampling import SamplingParams
 
@@ -324,3 +324,44 @@ def test_placement(tiny):
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding.spec == P("data")
         assert leaf.addressable_shards[0].data.shape[0] == 2
+
+
+# ----------------------------------------------------------------------------- orbax
+
+
+@needs_8
+def test_converted_round_trip(tiny, tmp_path):
+    """Prepared parameters saved with orbax (from a (2, 2, 2) mesh) and restored straight into
+    the shardings of a mesh: the same tree, every leaf equal, every sharding that of
+    shard_params; on (1, 8, 1) too, and on one device. Refusals: a tree not prepared, a second
+    save, another config, another source, a directory without a save."""
+    cfg, params, *_ = tiny
+    mesh = sharding.make_mesh(2, 2, 2)
+    sp = sharding.shard_params(params, cfg, mesh)
+    d = converted.save_converted(tmp_path / "conv", sp, cfg, source="random seed 0")
+    assert converted.converted_info(d)["source"] == "random seed 0"
+    for shape in [(2, 2, 2), (1, 8, 1), None]:
+        m = None if shape is None else sharding.make_mesh(*shape)
+        got = converted.restore_converted(d, cfg, mesh=m, source="random seed 0")
+        want = params if m is None else sharding.shard_params(params, cfg, m)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+            name = jax.tree_util.keystr(path)
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+            if m is not None:
+                assert b.sharding == a.sharding, (name, b.sharding, a.sharding)
+            else:
+                assert b.sharding.device_set == {jax.devices()[0]}, name
+        if m is not None:   # really split, not replicated everywhere
+            assert len(sharding.describe(got, m)) > 10
+    with pytest.raises(ValueError, match="must be prepared"):
+        converted.save_converted(tmp_path / "raw", {"layers": []}, cfg)
+    with pytest.raises(ValueError, match="already holds converted parameters"):
+        converted.save_converted(d, sp, cfg)
+    with pytest.raises(ValueError, match=r"another config \(n_routed_experts 8 vs 4"):
+        converted.restore_converted(d, cfg.replace(n_routed_experts=4))
+    with pytest.raises(ValueError, match="converted from 'random seed 0', not 'ckpt'"):
+        converted.restore_converted(d, cfg, source="ckpt")
+    with pytest.raises(ValueError, match="holds no converted parameters"):
+        converted.restore_converted(tmp_path, cfg)
