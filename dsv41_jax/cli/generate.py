@@ -8,6 +8,12 @@ format (``config.json`` + ``*.safetensors``).
 
     dsv41-generate --prompt "The capital of France is" --max-new-tokens 16
     dsv41-generate --chat --prompt "Why is the sky blue?" --temperature 0.6 --top-p 0.95
+    dsv41-generate --checkpoint DIR --mesh data=1,tensor=2,expert=4 --converted CONV_DIR
+
+``--mesh`` runs on a device mesh (tensor, expert and data parallelism; docs/architecture.md,
+"Sharding"); ``--converted DIR`` saves the converted parameters with orbax on the first start
+and restores them on the next ones straight into the mesh's shardings, skipping the checkpoint
+reading and the load-time conversions.
 
 The decoding runs on the device in one compiled loop (:func:`dsv41_jax.generation.generate`)
 and stops a row at ``<｜end▁of▁sentence｜>`` unless ``--no-eos``. ``--prompts-file`` runs one
@@ -38,8 +44,8 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from dsv41_jax import (chat, checkpoint, compile_cache, generation, model, random_weights,
-                       sharding, state as st, tokenizer)
+from dsv41_jax import (chat, checkpoint, compile_cache, converted, generation, model,
+                       random_weights, sharding, state as st, tokenizer)
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.cli.args import Parser, mesh_spec, nonnegative_int, positive_int
 from dsv41_jax.dtypes import F32
@@ -179,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "and report their speed without compilation")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the measurements to this JSON file")
+    ap.add_argument("--converted", default=None, metavar="DIR",
+                    help="converted parameters (orbax, dsv41_jax.converted): restored from DIR "
+                         "when it holds them (no checkpoint reading or conversion), else "
+                         "written there after the conversion, for the next start")
     ap.add_argument("--mesh", type=mesh_spec, default=None, metavar="data=D,tensor=T,expert=E",
                     help="run on a device mesh of these axis sizes (their product: the number "
                          "of devices; an axis left out is 1): tensor splits the query heads, "
@@ -262,6 +272,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
         ap.error(f"argument --compile-cache: {args.cache_dir} is not a directory")
     if args.config is not None and not os.path.isfile(args.config):
         ap.error(f"argument --config: no such file: {args.config}")
+    if args.converted is not None and os.path.exists(args.converted) \
+            and not os.path.isdir(args.converted):
+        ap.error(f"argument --converted: {args.converted} is not a directory")
     if args.json is not None:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
@@ -399,24 +412,45 @@ def _row_outputs(tok, res, eos: tuple, stops: list[str]) -> list[dict]:
     return rows
 
 
+def load_prepared(args: argparse.Namespace, cfg: ModelConfig, mesh=None):
+    """The prepared parameters of ``args`` (``--checkpoint``, or seeded random weights of
+    ``--seed``), placed on ``mesh`` when given: restored from ``--converted DIR`` when it holds
+    a save of the same weights, else read, converted and (with ``--converted``) saved there.
+    Returns ``(cfg, params, source)``, ``source`` a line for the report. Raises
+    ``ValueError`` from the loader or from :func:`dsv41_jax.converted.restore_converted`
+    (a save of other weights or another config)."""
+    if args.checkpoint:
+        origin = f"checkpoint {os.path.abspath(args.checkpoint)}"
+        source = f"weights from {args.checkpoint}"
+    else:
+        origin = f"seeded random weights, seed {args.seed}"
+        source = (f"SEEDED RANDOM WEIGHTS (seed {args.seed}, config {os.path.basename(args.config)})"
+                  ": the text is noise; pass --checkpoint DIR for real weights")
+    if args.converted and converted.converted_info(args.converted) is not None:
+        params = converted.restore_converted(args.converted, cfg, mesh=mesh, source=origin)
+        return cfg, params, source + f"; converted parameters restored from {args.converted}"
+    if args.checkpoint:
+        cfg, params = checkpoint.load_params(args.checkpoint, cfg)
+    else:
+        params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, args.seed),
+                                                cfg)
+    params = model.prepare_params(params, cfg)
+    if mesh is not None:
+        params = sharding.shard_params(params, cfg, mesh)
+    if args.converted:
+        converted.save_converted(args.converted, params, cfg, source=origin)
+        source += f"; converted parameters saved to {args.converted}"
+    return cfg, params, source
+
+
 def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[int]]) -> dict:
     """Load or build the weights, prefill the prompts ``rows`` (token ids) in chunks, generate,
     print the report; returns the measurements. Raises ``ValueError`` from the model (e.g. a
     checkpoint tensor of the wrong shape)."""
     t_load = time.perf_counter()
-    if args.checkpoint:
-        cfg, params = checkpoint.load_params(args.checkpoint, cfg)
-        source = f"weights from {args.checkpoint}"
-    else:
-        params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, args.seed),
-                                                cfg)
-        source = (f"SEEDED RANDOM WEIGHTS (seed {args.seed}, config {os.path.basename(args.config)})"
-                  ": the text is noise; pass --checkpoint DIR for real weights")
-    params = model.prepare_params(params, cfg)
-    mesh = None
-    if args.mesh is not None:
-        mesh = sharding.make_mesh(**args.mesh)
-        params = sharding.shard_params(params, cfg, mesh)
+    mesh = None if args.mesh is None else sharding.make_mesh(**args.mesh)
+    cfg, params, source = load_prepared(args, cfg, mesh)
+    if mesh is not None:
         source += f"; on a mesh {dict(mesh.shape)}"
     B = len(rows)
     lens = [len(r) for r in rows]
