@@ -84,13 +84,15 @@ def _config_diff(a: dict, b: dict) -> list[str]:
 
 
 def restore_converted(directory: str | os.PathLike, cfg: ModelConfig, *, mesh=None,
-                      source: str | None = None):
+                      source: str | None = None, engram: str = "replicated"):
     """The prepared parameters saved by :func:`save_converted` in ``directory``, read straight
     into their places: on ``mesh`` (:func:`dsv41_jax.sharding.make_mesh`) each leaf in the
     :class:`~jax.sharding.NamedSharding` of :func:`dsv41_jax.sharding.param_shardings` (what
     :func:`~dsv41_jax.sharding.shard_params` would give), without a mesh on JAX's default
     device. Shapes and dtypes come from the save's metadata, so the leaves keep the forms they
-    were saved in.
+    were saved in. ``engram``: as in :func:`~dsv41_jax.sharding.shard_params` (a table's rows
+    split only where the saved rows divide by the device count: save a tree placed with
+    ``engram="sharded"``, whose tables are padded, to restore it split).
 
     Raises ``ValueError`` when ``directory`` holds no save, its format is unknown, its config
     differs from ``cfg`` (naming the first fields), its source differs from ``source`` (when
@@ -114,6 +116,7 @@ def restore_converted(directory: str | os.PathLike, cfg: ModelConfig, *, mesh=No
     if mesh is not None:
         sharding.check_mesh(mesh)
         sharding.check_experts(cfg, mesh)
+        sharding.logical_axes_table(engram)   # ValueError for an unknown engram
     import orbax.checkpoint as ocp
 
     path = os.path.join(directory, _PARAMS)
@@ -125,7 +128,7 @@ def restore_converted(directory: str | os.PathLike, cfg: ModelConfig, *, mesh=No
             one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             places = jax.tree.map(lambda _: one, abstract)
         else:
-            places = sharding.param_shardings(abstract, mesh)
+            places = sharding.param_shardings(abstract, mesh, engram=engram)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract, places)
         return ckpt.restore(path, target)

@@ -28,7 +28,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dsv41_jax  # noqa: F401  (XLA numerics flags before JAX starts)
 from dsv41_jax import converted, generation, model, sharding, state as st
 from dsv41_jax.layers import moe as moe_layer
-from dsv41_jax.sampling import SamplingParams
 
 from benchmarks.config import identity_token_map, tiny_config
 
@@ -40,6 +39,15 @@ needs_8 = pytest.mark.skipif(not HAVE_8, reason="needs 8 devices: run by "
 
 #: (data, tensor, expert) meshes of the model checks.
 MESHES = [(1, 8, 1), (1, 2, 4), (2, 2, 2), (8, 1, 1)]
+#: where the model checks put the Engram tables' rows per mesh (shard_params' engram=): split
+#: over all 8 devices on (2, 2, 2), replicated on the others
+ENGRAM = {(2, 2, 2): "sharded"}
+
+
+def _shard_params(params, cfg, shape):
+    mesh = sharding.make_mesh(*shape)
+    return mesh, sharding.shard_params(params, cfg, mesh,
+                                       engram=ENGRAM.get(shape, "replicated"))
 
 
 @pytest.mark.skipif(HAVE_8, reason="8 devices here: the sharded tests run in this process")
@@ -139,6 +147,21 @@ def test_param_logical_axes():
     assert sharding.spec_for(("q_heads", None), (8, 4), one) == P()
 
 
+def test_engram_places():
+    """The Engram rows' entry of the table: replicated, or split over every mesh axis; an
+    unknown place is refused."""
+    assert sharding.logical_axes_table()["engram_rows"] is None
+    assert sharding.logical_axes_table("sharded")["engram_rows"] == sharding.MESH_AXES
+    with pytest.raises(ValueError, match=r"engram must be one of \('replicated', 'sharded'\), "
+                                         "got 'host'"):
+        sharding.logical_axes_table("host")
+    plan = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+    assert sharding.spec_for(("engram_rows", None), (16, 4), plan, engram="sharded") == P(
+        sharding.MESH_AXES)
+    assert sharding.spec_for(("engram_rows", None), (12, 4), plan, engram="sharded") == P()
+    assert sharding.spec_for(("engram_rows", None), (16, 4), plan) == P()
+
+
 # ----------------------------------------------------------------------------- the MoE alone
 
 
@@ -228,18 +251,26 @@ def _state_leaves(state):
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_sharded_prefill_decode_bitwise(tiny, single, shape):
     """Prefill (CED, bounded replay: 20 tokens > window 16, ragged lengths) then decode steps
-    on a mesh: every logit and every state array equals the single-device run's bit for bit.
+    on a mesh (:data:`ENGRAM`: where the Engram rows go): every logit and every state array equals the single-device run's bit for bit.
 
     Why bitwise: ``tensor`` splits only independent work (heads, output groups, vocabulary
     rows; no contraction), ``data`` splits rows (each device runs its rows; the reference runs
     each row as a batch of one, ``batch_invariant``: a data-1 mesh runs batch-invariant too),
-    and the expert psum adds two bf16 values per token, exact in fp32 (see
-    :func:`dsv41_jax.layers.moe._expert_parallel` for when it may differ)."""
+    the expert psum adds two bf16 values per token, exact in fp32 (see
+    :func:`dsv41_jax.layers.moe._expert_parallel` for when it may differ), and the Engram rows
+    split over the devices (on (2, 2, 2)) are gathered by each device for its rows and added
+    to exact zeros from the others."""
     cfg, params, tokens, lengths, steps = tiny
     data = shape[0]
     B = N_DEV if data == N_DEV else 2
-    mesh = sharding.make_mesh(*shape)
-    sp = sharding.shard_params(params, cfg, mesh)
+    mesh, sp = _shard_params(params, cfg, shape)
+    if ENGRAM.get(shape) == "sharded":   # the tables' rows really split over the 8 devices
+        table = next(v for k, v in jax.tree_util.tree_leaves_with_path(sp)
+                     if jax.tree_util.keystr(k).endswith("['engram']['embed']['weight']"))
+        assert table.sharding.spec[2] == sharding.ENGRAM_ROW_AXES   # [units, layers, rows, E]
+        assert table.addressable_shards[0].data.shape[-2] == table.shape[-2] // N_DEV
+        # the entry points keep a tree already on the mesh: the run reads the split tables
+        assert sharding.shard_params(sp, cfg, mesh) is sp
     logits, state = _run(cfg, sp, tokens[:B], lengths[:B], steps, mesh=mesh,
                          batch_invariant=data == 1)
     ref_logits, ref_state = single
@@ -259,9 +290,6 @@ GEN_TOKENS = 3
 #: the same model steps in test_sharded_prefill_decode_bitwise, and each mesh here costs a
 #: compilation of the loop (~15 s on 2 cores)
 GEN_MESHES = [(1, 2, 4), (2, 2, 2)]
-#: sampled, not greedy: the tokens vary more than a tiny random model's argmax, and the
-#: sampling's random bits must not depend on the sharding
-GEN_SAMPLING = SamplingParams(temperature=1.0)
 
 
 def _generate(cfg, params, tokens, lengths, *, mesh=None, batch_invariant=False):
@@ -269,36 +297,44 @@ def _generate(cfg, params, tokens, lengths, *, mesh=None, batch_invariant=False)
     out, state = model.prefill(params, cfg, tokens, state, lengths, mesh=mesh,
                                batch_invariant=batch_invariant)
     return generation.generate(params, cfg, state, out.logits, max_new_tokens=GEN_TOKENS,
-                               sampling=GEN_SAMPLING, seed=3, mesh=mesh,
-                               batch_invariant=batch_invariant)
+                               mesh=mesh, batch_invariant=batch_invariant)
 
 
 @pytest.fixture(scope="module")
 def single_generated(tiny):
-    """:func:`generation.generate` on one device after the prefill, every row as a batch of
-    one."""
+    """What greedy :func:`generation.generate` must give on one device: the prefill, then each
+    token the argmax of the last logits, fed to :func:`model.decode_step` (the programs of
+    :func:`single`, already compiled: every row as a batch of one). Returns ``(tokens [8,
+    GEN_TOKENS], state)``."""
     cfg, params, tokens, lengths, _ = tiny
-    return _generate(cfg, params, tokens, lengths, batch_invariant=True)
+    state = st.init_state(cfg, tokens.shape[0], CAPACITY)
+    out, state = model.prefill(params, cfg, tokens, state, lengths, batch_invariant=True)
+    logits, picked = out.logits, []
+    for i in range(GEN_TOKENS):
+        picked.append(np.argmax(np.asarray(logits), axis=-1).astype(np.int32))
+        if i + 1 < GEN_TOKENS:   # the loop does not run its last token through the model
+            logits, state = model.decode_step(params, cfg, state, picked[-1],
+                                              batch_invariant=True)
+    return np.stack(picked, axis=1), state
 
 
 @needs_8
 @pytest.mark.parametrize("shape", GEN_MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_sharded_generate_bitwise(tiny, single_generated, shape):
     """Prefill then :func:`generation.generate` (the compiled loop of sample-then-decode
-    steps) on a mesh: the generated tokens, their counts and every state array equal the
-    single-device run's (bitwise, for the reasons of
+    steps, greedy) on a mesh: the generated tokens, their counts and every state array equal
+    the single-device prefill and decode steps' (bitwise, for the reasons of
     :func:`test_sharded_prefill_decode_bitwise`)."""
     cfg, params, tokens, lengths, _ = tiny
     data = shape[0]
     B = N_DEV if data == N_DEV else 2
-    mesh = sharding.make_mesh(*shape)
-    res = _generate(cfg, sharding.shard_params(params, cfg, mesh), tokens[:B], lengths[:B],
-                    mesh=mesh, batch_invariant=data == 1)
-    ref = single_generated
-    assert len(set(np.asarray(ref.tokens).ravel().tolist())) > 3   # not a constant
-    np.testing.assert_array_equal(np.asarray(res.tokens), np.asarray(ref.tokens)[:B])
-    np.testing.assert_array_equal(np.asarray(res.lengths), np.asarray(ref.lengths)[:B])
-    for (path, a), (_, b) in zip(_state_leaves(ref.state), _state_leaves(res.state)):
+    mesh, sp = _shard_params(params, cfg, shape)
+    res = _generate(cfg, sp, tokens[:B], lengths[:B], mesh=mesh, batch_invariant=data == 1)
+    ref_tokens, ref_state = single_generated
+    assert len(set(ref_tokens[:B].ravel().tolist())) > 1   # not a constant
+    np.testing.assert_array_equal(np.asarray(res.tokens), ref_tokens[:B])
+    np.testing.assert_array_equal(np.asarray(res.lengths), np.full(B, GEN_TOKENS))
+    for (path, a), (_, b) in zip(_state_leaves(ref_state), _state_leaves(res.state)):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a)[:B],
                                       err_msg=jax.tree_util.keystr(path))
         if data > 1:
