@@ -57,8 +57,8 @@ import numpy as np
 
 from benchmarks import config as bench_config
 from benchmarks.timing import memory_stats, roofline, trace_profile, write_json, xla_compiles
-from dsv41_jax import compile_cache, generation, model, random_weights, state as st
-from dsv41_jax.cli.args import Parser, nonnegative_int, positive_int, positive_ints
+from dsv41_jax import compile_cache, generation, model, random_weights, sharding, state as st
+from dsv41_jax.cli.args import Parser, mesh_spec, nonnegative_int, positive_int, positive_ints
 from dsv41_jax.config import LayerPlan, ModelConfig
 from pallas_kernels.impls import check_family
 
@@ -293,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-figure", action="store_true", help="no figure")
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="print the markdown table of a results file and exit")
+    ap.add_argument("--mesh", type=mesh_spec, default=None, metavar="data=D,tensor=T,expert=E",
+                    help="run every row on a device mesh of these axis sizes (their product: "
+                         "the number of devices; an axis left out is 1; docs/architecture.md, "
+                         "'Sharding'); default: one device, no mesh")
     return ap
 
 
@@ -350,6 +354,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     elif not os.path.isfile(args.peer):
         ap.error(f"argument --peer: no such file: {args.peer}")
     args.cfg, args.release = bench_config.e2e_config(args.config)
+    if args.mesh is not None:
+        dp, ep = args.mesh["data"], args.mesh["expert"]
+        if args.cfg.n_routed_experts % ep:
+            ap.error(f"argument --mesh: the config's {args.cfg.n_routed_experts} routed experts "
+                     f"do not divide by expert={ep}")
+        if dp > 1 and "prefill" in args.rows:
+            ap.error(f"argument --mesh: data={dp} splits rows of a batch, and the prefill rows "
+                     f"have batch 1 (use --rows decode, or data=1)")
+        bad = [b for b in args.batches if b % dp] if "decode" in args.rows else []
+        if bad:
+            ap.error(f"argument --mesh: decode batch {bad[0]} does not divide by data={dp} "
+                     f"(--batches)")
+    args.device_mesh = None   # made by benchmark() once JAX may start its backends
     return args
 
 
@@ -362,12 +379,17 @@ def prompt_tokens(cfg: ModelConfig, batch: int, n: int, seed: int) -> np.ndarray
         0, cfg.vocab_size, (batch, n)).astype(np.int32)
 
 
+def _mesh(args):
+    """The device mesh the rows run on (made by :func:`benchmark` from ``--mesh``), or None."""
+    return getattr(args, "device_mesh", None)
+
+
 def prefill_all(params, cfg, tokens: np.ndarray, state, mode: str, chunk: int | None,
-                attn_impl: str, moe_impl: str = "auto"):
+                attn_impl: str, moe_impl: str = "auto", mesh=None):
     """Prefill ``tokens`` [B, n] into ``state`` in one call (``chunk`` None or >= n) or in
     chunks of ``chunk`` (the last one zero-padded: every call has the same shapes), the routed
-    experts run as ``moe_impl`` (``model.prefill``). Returns ``(out, state)`` of the last
-    call."""
+    experts run as ``moe_impl`` (``model.prefill``), on ``mesh`` (None: one device). Returns
+    ``(out, state)`` of the last call."""
     B, n = tokens.shape
     chunk = min(chunk or n, n)
     out = None
@@ -376,7 +398,7 @@ def prefill_all(params, cfg, tokens: np.ndarray, state, mode: str, chunk: int | 
         t = np.zeros((B, chunk), np.int32)
         t[:, :piece.shape[1]] = piece
         out, state = model.prefill(params, cfg, t, state, np.full((B,), piece.shape[1], np.int32),
-                                   mode=mode, attn_impl=attn_impl, moe_impl=moe_impl)
+                                   mode=mode, attn_impl=attn_impl, moe_impl=moe_impl, mesh=mesh)
     return out, state
 
 
@@ -411,7 +433,8 @@ def prefill_row(params, cfg: ModelConfig, n: int, mode: str, args) -> dict:
 
     def once(state):
         t0 = time.perf_counter()
-        out, state = prefill_all(params, cfg, tokens, state, mode, args.chunk, args.attn_impl)
+        out, state = prefill_all(params, cfg, tokens, state, mode, args.chunk, args.attn_impl,
+                                 mesh=_mesh(args))
         jax.block_until_ready((out, state))
         return time.perf_counter() - t0, out, state
 
@@ -449,12 +472,15 @@ def fill_state(params, cfg: ModelConfig, context: int, batch: int, args):
     or of every row. Returns ``(state, info)``."""
     cap = context + args.headroom
     t0 = time.perf_counter()
+    mesh = _mesh(args)
     how = "prefill" if batch == 1 else args.fill_batch
+    if how == "tile" and sharding.axis_size(mesh, "data") > 1:
+        how = "prefill (a row does not split over the mesh's data axis)"
     state = None
     if how == "tile":
         s1 = st.init_state(cfg, 1, cap)
         out, s1 = prefill_all(params, cfg, prompt_tokens(cfg, 1, context, args.seed), s1,
-                              args.fill, args.chunk, args.attn_impl)
+                              args.fill, args.chunk, args.attn_impl, mesh=mesh)
         del out
         state = _tile(s1, batch)
         if state is None:
@@ -463,7 +489,7 @@ def fill_state(params, cfg: ModelConfig, context: int, batch: int, args):
     if state is None:
         state = st.init_state(cfg, batch, cap)
         out, state = prefill_all(params, cfg, prompt_tokens(cfg, batch, context, args.seed),
-                                 state, args.fill, args.chunk, args.attn_impl)
+                                 state, args.fill, args.chunk, args.attn_impl, mesh=mesh)
         del out
     jax.block_until_ready(state)
     return state, {"fill_mode": args.fill, "fill_batch": how,
@@ -483,7 +509,7 @@ def loop_record(params, cfg, state, logits, steps: int, args) -> dict:
     def once(s):
         t0 = time.perf_counter()
         res = generation.generate(params, cfg, s, logits, max_new_tokens=steps,
-                                  attn_impl=args.attn_impl)
+                                  attn_impl=args.attn_impl, mesh=_mesh(args))
         jax.block_until_ready(res.tokens)
         return time.perf_counter() - t0
 
@@ -513,7 +539,7 @@ def decode_row(params, cfg: ModelConfig, context: int, batch: int, args) -> dict
     def step():
         t0 = time.perf_counter()
         logits, box["state"] = model.decode_step(params, cfg, box["state"], toks[box["i"]],
-                                                 attn_impl=args.attn_impl)
+                                                 attn_impl=args.attn_impl, mesh=_mesh(args))
         jax.block_until_ready(logits)
         box["i"] += 1
         box["logits"] = logits
@@ -1014,7 +1040,8 @@ def benchmark(args) -> dict:
     and the figure at the end; returns the results."""
     t_start = time.perf_counter()
     cfg = args.cfg
-    settings = {k: v for k, v in vars(args).items() if k not in ("cfg", "release")}
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("cfg", "release", "device_mesh")}
     results = {"benchmark": "end to end", "config_name": args.config, "config": cfg.to_dict(),
                "reductions": bench_config.reductions(cfg, args.release), "args": settings,
                "python": platform.python_version(), "jax_version": jax.__version__,
@@ -1029,6 +1056,11 @@ def benchmark(args) -> dict:
     if args.cache_dir:
         results["persistent_cache"] = {"dir": args.cache_dir, "how": enable_cache(args.cache_dir)}
     xla_compiles()
+    if args.mesh is not None:
+        try:
+            args.device_mesh = sharding.make_mesh(**args.mesh)
+        except ValueError as e:
+            raise SystemExit(f"dsv41-bench-e2e: error: argument --mesh: {e}") from None
     dev = jax.devices()[0]
     results.update(device=str(dev), device_kind=dev.device_kind, platform=dev.platform,
                    kernel_impls=list(model.kernel_impls(cfg, args.attn_impl)))
@@ -1052,6 +1084,9 @@ def benchmark(args) -> dict:
     results["params_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     params = model.prepare_params(params, cfg)
+    if args.device_mesh is not None:
+        params = sharding.shard_params(params, cfg, args.device_mesh)
+        results["mesh"] = dict(args.device_mesh.shape)
     jax.block_until_ready(params)
     results["prepare_params_s"] = time.perf_counter() - t0
     results["params_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

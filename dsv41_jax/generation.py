@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from dsv41_jax import model
+from dsv41_jax import model, sharding
 from dsv41_jax import state as st
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.dtypes import F32
@@ -82,9 +82,11 @@ def _pick(c: _Carry, eos: Int[Array, "E"], sampling: SamplingParams, n: int) -> 
 
 
 def _loop(params, state, logits, key, eos, *, cfg: ModelConfig, sampling: SamplingParams,
-          max_new_tokens: int, attn_impl: str) -> GenerationResult:
+          max_new_tokens: int, attn_impl: str, batch_invariant: bool = False,
+          mesh=None) -> GenerationResult:
     """The whole generation as one traceable function (see :func:`generate`)."""
-    step_fn = model.decode_fn(cfg, attn_impl=attn_impl)
+    step_fn = model.decode_fn(cfg, attn_impl=attn_impl, batch_invariant=batch_invariant,
+                              mesh=mesh)
     params = model.prepare_params(params, cfg)   # once, not per step (prepared: unchanged)
     B = logits.shape[0]
     c = _Carry(state=state, tokens=jnp.full((B, max_new_tokens), -1, jnp.int32),
@@ -105,13 +107,15 @@ def _loop(params, state, logits, key, eos, *, cfg: ModelConfig, sampling: Sampli
     return GenerationResult(tokens=c.tokens, lengths=c.lengths, state=c.state)
 
 
-_loop_jit = jax.jit(_loop, static_argnames=("cfg", "sampling", "max_new_tokens", "attn_impl"),
+_loop_jit = jax.jit(_loop, static_argnames=("cfg", "sampling", "max_new_tokens", "attn_impl",
+                                            "batch_invariant", "mesh"),
                     donate_argnames=("state",))
 
 
 def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), eos_ids=(), seed: int = 0,
-             attn_impl: str = "auto") -> GenerationResult:
+             attn_impl: str = "auto", batch_invariant: bool = False,
+             mesh=None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens per row after a prefill, on the device.
 
     Args:
@@ -128,6 +132,16 @@ def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
       seed: seed of the sampling's PRNG key (unused when greedy); the same seed gives the same
         tokens.
       attn_impl: kernel family, as in :func:`dsv41_jax.model.prefill`.
+      batch_invariant: run each model step's rows one at a time, as in
+        :func:`dsv41_jax.model.prefill` (each row's tokens then do not depend on the batch).
+      mesh: a device mesh (:func:`dsv41_jax.sharding.make_mesh`) to run on, or None (one
+        device), as in :func:`dsv41_jax.model.prefill`: the parameters are prepared and placed
+        by :func:`~dsv41_jax.sharding.shard_params`, the state by
+        :func:`~dsv41_jax.sharding.shard_state` and the logits split by rows over ``data``
+        when they are not already there (docs/architecture.md, "Sharding"). The returned state
+        stays on the mesh; the tokens are those of one device wherever the model steps' logits
+        are (``batch_invariant`` on a mesh without ``data`` splitting; the sampling's random
+        bits do not depend on the sharding).
 
     Each loop iteration samples one token per row, writes it for the rows not done yet, marks a
     row done at an EOS id or at ``max_new_tokens`` tokens, and (unless every row is done) runs
@@ -154,7 +168,9 @@ def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
         or not an int; ``logits`` not [B, V] with V = ``cfg.vocab_size`` and B the state's
         rows; ``pos + max_new_tokens`` above the state's capacity for a row; an EOS id outside
         [0, vocab_size) or not an int; ``seed`` not an int; an unknown ``attn_impl``; a
-        ``sampling`` that is not a ``SamplingParams``.
+        ``sampling`` that is not a ``SamplingParams``; a ``mesh`` not of
+        :func:`~dsv41_jax.sharding.make_mesh`, whose ``data`` axis does not divide the batch
+        or whose ``expert`` axis does not divide the routed experts.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
             or max_new_tokens < 1:
@@ -183,13 +199,19 @@ def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
                 or not 0 <= e < cfg.vocab_size:
             raise ValueError(f"eos_ids: {e!r} is not a token id in [0, vocab_size="
                              f"{cfg.vocab_size})")
-    model.decode_fn(cfg, attn_impl=attn_impl)   # raises ValueError for an unknown attn_impl
+    # raises ValueError for an unknown attn_impl or a bad mesh
+    model.decode_fn(cfg, attn_impl=attn_impl, mesh=mesh)
+    if mesh is not None:
+        model._check_mesh(cfg, mesh, B)
+        params, state = model._placed(params, cfg, state, mesh)
+        logits = sharding.batch_sharded(jnp.asarray(logits, F32), mesh)
     # padded with -1 (never sampled) to a multiple of 8: up to 8 EOS ids share one program
     eos_arr = np.full((max(8, -(-len(eos) // 8) * 8),), -1, np.int32)
     eos_arr[:len(eos)] = eos
     res = _loop_jit(params, state, jnp.asarray(logits, F32), jax.random.key(int(seed)),
                     jnp.asarray(eos_arr), cfg=cfg, sampling=sampling,
-                    max_new_tokens=max_new_tokens, attn_impl=attn_impl)
+                    max_new_tokens=max_new_tokens, attn_impl=attn_impl,
+                    batch_invariant=bool(batch_invariant), mesh=mesh)
     if not eos:   # every row takes max_new_tokens - 1 steps: known without a device read
         model._with_host_positions(res.state, pos + max_new_tokens - 1)
     return res

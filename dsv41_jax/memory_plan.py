@@ -6,7 +6,11 @@ Nothing is allocated: the weights are the shapes of the parameter pytree the loa
 very tree), plus the optional vision tensors of the checkpoint layout
 (:func:`dsv41_jax.checkpoint.expected_vision_tensors`); the state is ``jax.eval_shape`` of
 :func:`dsv41_jax.state.init_state`; the activations are a formula (:func:`activation_bytes`).
-The split over devices is one simple rule, :func:`device_share` (real sharding comes later).
+The split over devices: with a mesh (``mesh={"data": D, "tensor": T, "expert": E}``,
+``--mesh``) each weight by the sharding table of :mod:`dsv41_jax.sharding` (``PARAM_RULES``
+and ``LOGICAL_AXES``, the very specs ``shard_params`` places by: :func:`mesh_weight_bytes`)
+and the state and activations by rows over ``data``; without one (``--devices N``) by one
+simple rule, :func:`device_share` (experts split, the rest replicated, the batch split).
 
 Command line: ``python scripts/plan_memory.py --config configs/flash.json --batch 8 --context
 131072 --devices 8 --engram host --device-gb 141 [--json]`` (:func:`main`).
@@ -71,13 +75,14 @@ def param_shapes(cfg):
     return jax.eval_shape(lambda: random_weights.random_params_device(cfg, 0, tmap))
 
 
-def weight_bytes(cfg) -> dict[str, int]:
+def weight_bytes(cfg, shapes=None) -> dict[str, int]:
     """Bytes of the loaded weights (as :func:`dsv41_jax.checkpoint.load_params` places them:
     stored forms, ``wo_a`` in bf16, the head and ratio-2 compressors in fp32) per
-    :data:`WEIGHT_KINDS` key. ``mtp.*`` (DSpark) is not loaded and not counted."""
+    :data:`WEIGHT_KINDS` key. ``mtp.*`` (DSpark) is not loaded and not counted. ``shapes``:
+    :func:`param_shapes` of ``cfg`` when already made."""
     from dsv41_jax import checkpoint
     out = dict.fromkeys(WEIGHT_KINDS, 0)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes or param_shapes(cfg)):
         out[weight_kind(jax.tree_util.keystr(path, simple=True, separator="/"))] += \
             _nbytes(leaf.shape, leaf.dtype)
     for shape, dtypes in checkpoint.expected_vision_tensors(cfg).values():
@@ -166,6 +171,40 @@ def activation_bytes(cfg, rows: int, chunk: int, context: int) -> dict[str, int]
 # ----------------------------------------------------------------------------- the split rule
 
 
+def mesh_weight_bytes(cfg, mesh: dict, engram: str, shapes=None) -> dict[str, int]:
+    """Bytes per device of each :data:`WEIGHT_KINDS` kind on a mesh of axis sizes ``mesh``
+    (``{"data": D, "tensor": T, "expert": E}``): each loaded parameter split as
+    :func:`dsv41_jax.sharding.spec_for` splits it (the logical axes of ``PARAM_RULES`` for its
+    path within a layer; no ``jax.Array`` made, an ``AbstractMesh``). Engram tables: ``engram``
+    ``"device"`` replicated, ``"sharded"`` rows over every device (padded to a multiple of the
+    device count, as ``shard_params(..., engram="sharded")`` does), ``"host"`` 0. Vision
+    tensors are replicated. ``shapes``: :func:`param_shapes` of ``cfg`` when already made."""
+    import re
+
+    from dsv41_jax import checkpoint, sharding
+    amesh = jax.sharding.AbstractMesh(tuple(mesh[a] for a in sharding.MESH_AXES),
+                                      sharding.MESH_AXES)
+    n_dev = math.prod(mesh.values())
+    out = dict.fromkeys(WEIGHT_KINDS, 0)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes or param_shapes(cfg)):
+        p = jax.tree_util.keystr(path, simple=True, separator="/")
+        kind = weight_kind(p)
+        shape = tuple(leaf.shape)
+        if kind == "engram_tables":
+            row = _nbytes(shape[1:], leaf.dtype)
+            out[kind] += {"device": shape[0] * row, "sharded": -(-shape[0] // n_dev) * row,
+                          "host": 0}[engram]
+            continue
+        logical = sharding.param_logical_axes(re.sub(r"^layers/\d+/", "", p), len(shape))
+        spec = sharding.spec_for(logical, shape, amesh)
+        split = math.prod(math.prod(mesh[a] for a in (ax if isinstance(ax, tuple) else (ax,)))
+                          for ax in spec if ax is not None)
+        out[kind] += _nbytes(shape, leaf.dtype) // split
+    for shape, dtypes in checkpoint.expected_vision_tensors(cfg).values():
+        out["vision"] += _nbytes(shape, dtypes[0])
+    return out
+
+
 def rows_per_device(batch: int, devices: int) -> int:
     """Sequences of the batch one device holds: ``ceil(batch / devices)`` when ``batch >=
     devices`` (data parallel over the batch), else the whole batch (every device runs every
@@ -211,17 +250,49 @@ def assumptions(cfg, devices: int, engram: str) -> list[str]:
     ]
 
 
+def mesh_assumptions(cfg, mesh: dict, engram: str) -> list[str]:
+    """The plan's assumptions on a mesh, as printed."""
+    n = math.prod(mesh.values())
+    where = {"device": "on every device (replicated)",
+             "sharded": f"on the devices, rows split {n} ways (padded to a multiple)",
+             "host": "in host memory (counted per host process, not on the devices)"}[engram]
+    rest = assumptions(cfg, n, engram)[3:]
+    return [f"mesh data={mesh['data']}, tensor={mesh['tensor']}, expert={mesh['expert']}: "
+            f"weights split by dsv41_jax.sharding's table (query heads, output groups and "
+            f"vocabulary over tensor, {cfg.n_routed_experts // mesh['expert']} of "
+            f"{cfg.n_routed_experts} routed experts per device over expert, the rest "
+            f"replicated); replicated over data",
+            f"Engram tables {where}",
+            f"state and activations split by rows over data: ceil(batch / {mesh['data']}) "
+            f"rows per device"] + rest
+
+
 def plan(cfg, *, batch: int, context: int, devices: int = 1, engram: str = "device",
-         chunk: int = DEFAULT_CHUNK, device_gb: float = 141.0, config_name: str = "") -> dict:
+         chunk: int = DEFAULT_CHUNK, device_gb: float = 141.0, config_name: str = "",
+         mesh: dict | None = None) -> dict:
     """The memory plan of ``cfg`` as a dict (what ``--json`` prints): ``weights`` (total bytes
     per kind), ``state`` (total bytes per part, whole batch), ``per_device`` (bytes per kind,
     ``state``, ``activations``, ``total``, ``load_peak``), ``activations`` (per device, by
     term), ``host`` (bytes in host memory per process), ``fits`` / ``load_fits`` (against
     ``device_gb`` GB), ``assumptions``.
 
+    ``mesh``: axis sizes ``{"data": D, "tensor": T, "expert": E}`` (``devices`` is then
+    their product): the weights split by the sharding table (:func:`mesh_weight_bytes`), the
+    state and activations by ``ceil(batch / D)`` rows per device.
+
     Raises ``ValueError`` naming the argument for a batch, context, devices or chunk below 1,
-    a ``device_gb`` not above 0, or an ``engram`` not in :data:`ENGRAM_PLACES`.
+    a ``device_gb`` not above 0, an ``engram`` not in :data:`ENGRAM_PLACES`, a ``mesh`` whose
+    product differs from a ``devices`` other than 1, or whose ``expert`` size does not divide
+    the routed experts.
     """
+    if mesh is not None:
+        n = math.prod(mesh.values())
+        if devices not in (1, n):
+            raise ValueError(f"devices={devices} differs from the mesh's {n} devices")
+        if cfg.n_routed_experts % mesh["expert"]:
+            raise ValueError(f"mesh: n_routed_experts={cfg.n_routed_experts} does not divide "
+                             f"by expert={mesh['expert']}")
+        devices = n
     for name, v in (("batch", batch), ("context", context), ("devices", devices),
                     ("chunk", chunk)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
@@ -231,11 +302,16 @@ def plan(cfg, *, batch: int, context: int, devices: int = 1, engram: str = "devi
     if engram not in ENGRAM_PLACES:
         raise ValueError(f"engram must be one of {ENGRAM_PLACES}, got {engram!r}")
     from dsv41_jax import checkpoint
-    weights = weight_bytes(cfg)
-    rows = rows_per_device(batch, devices)
-    per_dev = {k: math.ceil(v * device_share(k, devices=devices, engram=engram,
-                                             n_routed_experts=cfg.n_routed_experts))
-               for k, v in weights.items()}
+    shapes = param_shapes(cfg)
+    weights = weight_bytes(cfg, shapes)
+    if mesh is None:
+        rows = rows_per_device(batch, devices)
+        per_dev = {k: math.ceil(v * device_share(k, devices=devices, engram=engram,
+                                                 n_routed_experts=cfg.n_routed_experts))
+                   for k, v in weights.items()}
+    else:
+        rows = -(-batch // mesh["data"])
+        per_dev = mesh_weight_bytes(cfg, mesh, engram, shapes)
     state_total = state_bytes(cfg, batch, context)
     state_dev = sum(state_bytes(cfg, rows, context).values())
     acts = activation_bytes(cfg, rows, min(chunk, context), context)
@@ -253,9 +329,10 @@ def plan(cfg, *, batch: int, context: int, devices: int = 1, engram: str = "devi
             "streamed load: one block (min(largest tensor, 1 GiB)) x 3": 3 * block}
     return {
         "config": config_name, "batch": batch, "context": context, "chunk": min(chunk, context),
-        "devices": devices, "engram": engram, "device_gb": device_gb,
+        "devices": devices, "mesh": mesh, "engram": engram, "device_gb": device_gb,
         "rows_per_device": rows,
-        "experts_per_device": -(-cfg.n_routed_experts // devices),
+        "experts_per_device": -(-cfg.n_routed_experts // (devices if mesh is None
+                                                           else mesh["expert"])),
         "weights": weights, "weights_total": sum(weights.values()),
         "state": state_total, "state_total": sum(state_total.values()),
         "activations": acts, "per_device": per_dev,
@@ -264,7 +341,8 @@ def plan(cfg, *, batch: int, context: int, devices: int = 1, engram: str = "devi
         "host": host,
         "fits": per_dev["total"] <= limit, "load_fits": per_dev["load_peak"] <= limit,
         "free_per_device": limit - per_dev["total"],
-        "assumptions": assumptions(cfg, devices, engram),
+        "assumptions": assumptions(cfg, devices, engram) if mesh is None
+        else mesh_assumptions(cfg, mesh, engram),
     }
 
 
@@ -275,7 +353,10 @@ def format_plan(p: dict) -> str:
     pd = p["per_device"]
     lines = [f"memory plan: {p['config'] or 'config'}, batch {p['batch']}, context "
              f"{p['context']} tokens, prefill chunk {p['chunk']}, {p['devices']} device(s) of "
-             f"{p['device_gb']:g} GB, Engram tables: {p['engram']}",
+             f"{p['device_gb']:g} GB"
+             + ("" if not p.get("mesh") else " (mesh " + ",".join(
+                 f"{k}={v}" for k, v in p["mesh"].items()) + ")")
+             + f", Engram tables: {p['engram']}",
              "", f"{'':44s}{'total':>13s}{'per device':>15s}", "weights"]
     for k, label in WEIGHT_KINDS.items():
         lines.append(f"  {label.split(':')[0]:42s}{gb(p['weights'][k])}  {gb(pd[k])}")
@@ -312,7 +393,7 @@ def format_plan(p: dict) -> str:
 
 
 def build_parser():
-    from dsv41_jax.cli.args import Parser, positive_int
+    from dsv41_jax.cli.args import Parser, mesh_spec, positive_int
 
     def positive_float(text):
         try:
@@ -332,6 +413,9 @@ def build_parser():
     ap.add_argument("--context", type=positive_int, required=True,
                     help="tokens of state per sequence, >= 1")
     ap.add_argument("--devices", type=positive_int, default=1, help="devices, >= 1 (default 1)")
+    ap.add_argument("--mesh", type=mesh_spec, default=None, metavar="data=D,tensor=T,expert=E",
+                    help="split the weights by the sharding table over this mesh (instead of "
+                         "--devices' simple rule; its product is the device count)")
     ap.add_argument("--engram", choices=ENGRAM_PLACES, default="device",
                     help="Engram tables: replicated on every device (device), split by rows "
                     "across the devices (sharded), or in host memory (host); default device")
@@ -353,7 +437,7 @@ def main(argv=None) -> int:
         cfg = ModelConfig.from_json(args.config)
         p = plan(cfg, batch=args.batch, context=args.context, devices=args.devices,
                  engram=args.engram, chunk=args.chunk, device_gb=args.device_gb,
-                 config_name=args.config)
+                 config_name=args.config, mesh=args.mesh)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -807,26 +807,29 @@ def forward(params, cfg: ModelConfig, tokens, *, collect: bool = False,
 
 
 def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
-              backend: str | None = None, moe_impl: str = "auto", mesh=None):
+              backend: str | None = None, moe_impl: str = "auto", mesh=None,
+              batch_invariant: bool = False):
     """A pure, traceable decode step ``step(params, state, tokens int32 [B]) -> (logits fp32
     [B, V], state)`` for use inside ``jax.jit`` / ``lax.while_loop`` (no host checks: the caller
-    checks the state capacity and the token ids). ``mesh``: as in :func:`prefill`, except that
+    checks the state capacity and the token ids). ``batch_invariant``: as in :func:`prefill`.
+    ``mesh``: as in :func:`prefill`, except that
     nothing is placed (place the parameters and the state with
     :func:`dsv41_jax.sharding.shard_params` / :func:`~dsv41_jax.sharding.shard_state`); the
     returned state is constrained to the state's shardings. Raises ``ValueError`` for an
     unknown ``attn_impl`` or ``moe_impl``, or a mesh not of
     :func:`~dsv41_jax.sharding.make_mesh`, or whose ``expert`` axis does not divide the routed
     experts."""
-    static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl, backend=backend),
+    static = Static(cfg, False, bool(batch_invariant),
+                    *kernel_impls(cfg, attn_impl, backend=backend),
                     moe_impl=_check_moe_impl(moe_impl), mesh=_check_mesh(cfg, mesh, None))
     compat = jnp.asarray(compat_stale_index_k)
 
     def step(params, state, tokens):
         params = prepare_params(params, cfg)
         B = tokens.shape[0]
-        out, state = _chunk_impl(params, tokens.astype(jnp.int32)[:, None],
+        out, state = _chunk_rows(params, tokens.astype(jnp.int32)[:, None],
                                  jnp.ones((B,), jnp.int32), state, None, None, compat,
                                  static=static, mode="exact", replay_len=1, all_logits=False)
-        return out.logits, sharding.constrain_state(state, static.mesh)
+        return out.logits, state
 
     return step

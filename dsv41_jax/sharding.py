@@ -19,24 +19,30 @@ replicated). Parameters get their logical axes by path (:data:`PARAM_RULES`, on 
   experts; the routing is replicated, each shard runs its own experts for all tokens and a
   ``psum`` over ``expert`` combines (:func:`dsv41_jax.layers.moe.moe`).
 
+* Engram tables (``engram_rows``): replicated, or with ``shard_params(..., engram="sharded")``
+  their rows split over every device (:data:`ENGRAM_PLACES`).
+
 A dimension whose size the mesh axis does not divide is replicated instead (e.g. 4 heads on
 ``tensor = 8``), except the routed experts, whose count must divide by ``expert``
 (``ValueError``), and the batch of the state, which must divide by ``data`` (``ValueError``).
 
 Usage: ``mesh = make_mesh(data=2, tensor=2, expert=2)``; ``params = shard_params(prepare_params(
 params, cfg), cfg, mesh)``; ``state = shard_state(init_state(cfg, B, L), mesh)``; then
-``prefill(..., mesh=mesh)`` / ``decode_step(..., mesh=mesh)`` (the entry points take the mesh
-as a keyword, a static argument of the compiled step).
+``prefill(..., mesh=mesh)`` / ``decode_step(..., mesh=mesh)`` / ``generate(..., mesh=mesh)``
+(the entry points take the mesh as a keyword, a static argument of the compiled step). The
+command lines write a mesh ``--mesh data=1,tensor=2,expert=4`` (:func:`parse_mesh_spec`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41_jax.config import ModelConfig
 
@@ -54,9 +60,16 @@ LOGICAL_AXES: dict[str, str | None] = {
     "latent": None,           # the shared KV latent [K] (one KV head: never split)
     "index_heads": None,      # indexer heads: replicated, as engines do
     "embed": None,            # model width [D]
-    "engram_rows": None,      # Engram table rows (replicated; memory_plan's "sharded" is next)
+    "engram_rows": None,      # Engram table rows: replicated, or ENGRAM_ROW_AXES (shard_params)
     "stack": None,            # [units, layers] of a scanned layer group (no pipelining)
 }
+
+#: Where the Engram tables' rows go (``shard_params(..., engram=)``): ``"replicated"`` (the
+#: table's entry, every device a whole table) or ``"sharded"`` (rows split over every device:
+#: :data:`ENGRAM_ROW_AXES`; the row gather is then partitioned by the compiler, each device
+#: gathering its rows and an all-reduce adding exact zeros for the others).
+ENGRAM_PLACES = ("replicated", "sharded")
+ENGRAM_ROW_AXES = MESH_AXES
 
 #: Parameter path (a regular expression, full match, on the leaf's path in the prepared tree
 #: with ``layer_groups/<group>/<run>/`` removed) -> the logical axes of the leaf's dimensions
@@ -98,7 +111,43 @@ def make_mesh(data=1, tensor=1, expert=1, devices=None) -> Mesh:
                          axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-def axis_size(mesh: Mesh | None, axis: str) -> int:
+def parse_mesh_spec(text: str, flag: str | None = "--mesh") -> dict[str, int]:
+    """The axis sizes of a mesh written ``"data=1,tensor=2,expert=4"`` (the command lines'
+    ``--mesh``): a comma list of ``axis=size`` with axes of :data:`MESH_AXES`, each at most
+    once, sizes positive ints; an axis left out has size 1. Returns ``{"data": ..., "tensor":
+    ..., "expert": ...}`` for :func:`make_mesh` (``make_mesh(**parse_mesh_spec(text))``).
+
+    Raises ``ValueError`` starting with ``flag`` (when not None) for an empty spec, an item
+    without ``=``, an unknown or repeated axis, or a size that is not an integer >= 1."""
+    pre = f"{flag}: " if flag else ""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{pre}empty mesh spec {text!r}; expected e.g. "
+                         f"'data=1,tensor=2,expert=4'")
+    seen = set()
+    for item in items:
+        name, eq, value = (x.strip() for x in item.partition("="))
+        if not eq:
+            raise ValueError(f"{pre}{item!r} is not axis=size (e.g. 'tensor=2')")
+        if name not in MESH_AXES:
+            raise ValueError(f"{pre}unknown mesh axis {name!r}; the axes are "
+                             f"{', '.join(MESH_AXES)}")
+        if name in seen:
+            raise ValueError(f"{pre}mesh axis {name!r} given twice")
+        seen.add(name)
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"{pre}the size of {name!r} must be an integer >= 1, got "
+                             f"{value!r}") from None
+        if n < 1:
+            raise ValueError(f"{pre}the size of {name!r} must be an integer >= 1, got {n}")
+        sizes[name] = n
+    return sizes
+
+
+def axis_size(mesh: Mesh | AbstractMesh | None, axis: str) -> int:
     """The size of mesh axis ``axis`` (1 without a mesh or without that axis)."""
     if mesh is None:
         return 1
@@ -115,15 +164,35 @@ def check_mesh(mesh):
     return mesh
 
 
-def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+def logical_axes_table(engram: str = "replicated") -> dict:
+    """:data:`LOGICAL_AXES` with the Engram rows placed as ``engram`` says
+    (:data:`ENGRAM_PLACES`; ``ValueError`` otherwise)."""
+    if engram not in ENGRAM_PLACES:
+        raise ValueError(f"engram must be one of {ENGRAM_PLACES}, got {engram!r}")
+    if engram == "replicated":
+        return LOGICAL_AXES
+    return dict(LOGICAL_AXES, engram_rows=ENGRAM_ROW_AXES)
+
+
+def _axes_size(mesh, axis) -> int:
+    """The size of a mesh axis or of a tuple of mesh axes (their product)."""
+    if isinstance(axis, tuple):
+        return math.prod(axis_size(mesh, a) for a in axis)
+    return axis_size(mesh, axis)
+
+
+def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...],
+             mesh: Mesh | AbstractMesh, *, engram: str = "replicated") -> P:
     """The :class:`PartitionSpec` of an array of ``shape`` whose dimensions have the logical
-    axes ``logical`` (``None``: replicated), by :data:`LOGICAL_AXES`. A dimension the mesh
-    axis does not divide is replicated."""
+    axes ``logical`` (``None``: replicated), by :data:`LOGICAL_AXES` (the Engram rows as
+    ``engram`` says) on ``mesh`` (a device mesh, or an ``AbstractMesh`` of the same axes for a
+    plan). A dimension the mesh axis (or axes) does not divide is replicated."""
+    table = logical_axes_table(engram)
     out = []
     for name, n in zip(logical, shape):
-        axis = LOGICAL_AXES[name] if name is not None else None
-        out.append(axis if axis is not None and n % axis_size(mesh, axis) == 0
-                   and axis_size(mesh, axis) > 1 else None)
+        axis = table[name] if name is not None else None
+        out.append(axis if axis is not None and n % _axes_size(mesh, axis) == 0
+                   and _axes_size(mesh, axis) > 1 else None)
     while out and out[-1] is None:
         out.pop()
     return P(*out)
@@ -150,19 +219,46 @@ def param_logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
     return (lead + (None,) * ndim)[:ndim]
 
 
-def param_specs(params, mesh: Mesh):
+def param_specs(params, mesh: Mesh, *, engram: str = "replicated"):
     """A pytree like ``params`` (the tree of :func:`dsv41_jax.model.prepare_params`) of
-    :class:`PartitionSpec` s, by :data:`PARAM_RULES` and :data:`LOGICAL_AXES`."""
+    :class:`PartitionSpec` s, by :data:`PARAM_RULES` and :data:`LOGICAL_AXES` (the Engram
+    rows as ``engram`` says, :data:`ENGRAM_PLACES`)."""
     def one(path, leaf):
         shape = tuple(np.shape(leaf))
-        return spec_for(param_logical_axes(_path_str(path), len(shape)), shape, mesh)
+        return spec_for(param_logical_axes(_path_str(path), len(shape)), shape, mesh,
+                        engram=engram)
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def param_shardings(params, mesh: Mesh):
+def param_shardings(params, mesh: Mesh, *, engram: str = "replicated"):
     """:func:`param_specs` as :class:`NamedSharding` s on ``mesh``."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, mesh),
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, mesh,
+                                                                      engram=engram),
                         is_leaf=lambda s: isinstance(s, P))
+
+
+def on_mesh(params, mesh: Mesh) -> bool:
+    """Whether every leaf of ``params`` is a ``jax.Array`` placed on ``mesh`` (a
+    :class:`NamedSharding` of that mesh, whatever its spec)."""
+    leaves = jax.tree.leaves(params)
+    return bool(leaves) and all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                                and x.sharding.mesh == mesh for x in leaves)
+
+
+def _pad_engram_rows(params, mesh: Mesh):
+    """``params`` with each Engram table's rows (``engram/embed/{weight,scale}``, axis -2)
+    padded with zero rows to a multiple of the device count, so that they split evenly (the
+    hashed row ids stay below the real row count: the padding is never read)."""
+    n = _axes_size(mesh, ENGRAM_ROW_AXES)
+
+    def pad(path, x):
+        if not re.search(r"engram/embed/(weight|scale)$", _path_str(path)) or \
+                x.shape[-2] % n == 0:
+            return x
+        width = [(0, 0)] * x.ndim
+        width[-2] = (0, -x.shape[-2] % n)
+        return (jnp.pad if isinstance(x, jax.Array) else np.pad)(x, width)
+    return jax.tree_util.tree_map_with_path(pad, params)
 
 
 def check_experts(cfg: ModelConfig, mesh: Mesh | None):
@@ -173,17 +269,30 @@ def check_experts(cfg: ModelConfig, mesh: Mesh | None):
                          f"mesh's expert axis ({ep}): each expert shard holds whole experts")
 
 
-def shard_params(params, cfg: ModelConfig, mesh: Mesh):
+def shard_params(params, cfg: ModelConfig, mesh: Mesh, *, engram: str = "replicated"):
     """``params`` prepared by :func:`dsv41_jax.model.prepare_params` placed on ``mesh`` by
-    :func:`param_shardings` (``jax.device_put``; arrays already placed so stay where they are).
+    :func:`param_shardings` (``jax.device_put``). A tree already on the mesh
+    (:func:`on_mesh`) is returned as it is, so the entry points keep a placement made
+    beforehand (e.g. with ``engram="sharded"``).
+
+    ``engram`` (:data:`ENGRAM_PLACES`): ``"replicated"`` (default) or ``"sharded"``: the
+    Engram tables' rows split over every device, each table first padded with zero rows to a
+    multiple of the device count (never read: the hashed ids stay below the real rows).
+
     Raises ``ValueError`` for a tree not prepared (no ``layer_groups``), a mesh not of
-    :func:`make_mesh` or routed experts that the ``expert`` axis does not divide."""
+    :func:`make_mesh`, routed experts that the ``expert`` axis does not divide, or an
+    ``engram`` not in :data:`ENGRAM_PLACES`."""
     check_mesh(mesh)
     check_experts(cfg, mesh)
+    logical_axes_table(engram)
     if "layer_groups" not in params:
         raise ValueError("params must be prepared (dsv41_jax.model.prepare_params(params, cfg)) "
                          "before shard_params: it places the stacked layer groups")
-    return jax.device_put(params, param_shardings(params, mesh))
+    if on_mesh(params, mesh):
+        return params
+    if engram == "sharded":
+        params = _pad_engram_rows(params, mesh)
+    return jax.device_put(params, param_shardings(params, mesh, engram=engram))
 
 
 def batch_spec(ndim: int, batch: int, mesh: Mesh, *, strict: bool = True) -> P:
@@ -244,6 +353,8 @@ def describe(params, mesh: Mesh) -> list[tuple[str, tuple, Any]]:
     specs = param_specs(params, mesh)
     for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
                                   jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        if isinstance(getattr(leaf, "sharding", None), NamedSharding):
+            spec = leaf.sharding.spec   # where it is (e.g. Engram rows placed "sharded")
         if any(a is not None for a in spec):
             out.append((_path_str(path), tuple(np.shape(leaf)), spec))
     return out

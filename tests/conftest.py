@@ -69,7 +69,8 @@ def tiny_a_bf16():
 # suite), which are a group each. The longest groups are collected first, so the two workers
 # finish close together instead of one starting a fixture directory near the end.
 SLOW_FIRST = ("test_parity.py::test_fixture_dir", "test_sparse_attention.py::test_model_with",
-              "test_sharding.py::test_sharded_in_subprocess")
+              "test_sharding.py::test_sharded_in_subprocess",
+              "test_multihost.py::test_two_processes_generate_the_tokens_of_one")
 
 
 def pytest_configure(config):

@@ -183,6 +183,12 @@ def test_peer_plumbing(tmp_path):
     (["--attn-impl", "bogus"], "argument --attn-impl: attn_impl must be one of"),
     (["--out", "no/such/dir/x.json"], "argument --out: no such directory: no/such/dir"),
     (["--peer", "no/such/peer.py"], "argument --peer: no such file: no/such/peer.py"),
+    (["--mesh", "tensor=2,pipe=2"], "argument --mesh: unknown mesh axis 'pipe'; the axes are"),
+    (["--mesh", "expert=0"], "argument --mesh: the size of 'expert' must be an integer >= 1"),
+    (["--mesh", "data=2"], "argument --mesh: data=2 splits rows of a batch, and the prefill"),
+    (["--mesh", "data=2", "--rows", "decode", "--batches", "2,3"],
+     "argument --mesh: decode batch 3 does not divide by data=2"),
+    (["--mesh", "expert=3"], "argument --mesh: the config's 4 routed experts do not divide"),
 ])
 def test_bench_e2e_refuses(argv, match, capsys):
     """Bad options: exit status 2 and one line naming the option, before anything runs."""
@@ -191,6 +197,17 @@ def test_bench_e2e_refuses(argv, match, capsys):
     assert e.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("dsv41-bench-e2e: error: ") and match in last, last
+
+
+def test_mesh_option():
+    """``--mesh`` parses into the axis sizes of ``sharding.make_mesh`` (left out: 1; none: no
+    mesh)."""
+    args = e2e.parse_args(["--tiny", "--mesh", "tensor=2,expert=4"])
+    assert args.mesh == {"data": 1, "tensor": 2, "expert": 4} and args.device_mesh is None
+    assert e2e.parse_args(["--tiny"]).mesh is None
+    args = e2e.parse_args(["--tiny", "--rows", "decode", "--batches", "4", "--mesh",
+                           " data = 2 , expert=2"])
+    assert args.mesh == {"data": 2, "tensor": 1, "expert": 2}
 
 
 def test_rows_none_and_order():

@@ -224,6 +224,29 @@ def test_generate_end_to_end(tmp_path, capsys):
     assert rec["decode_tokens_per_s"] > 0
 
 
+def test_converted_parameters_skip_the_conversion(tmp_path):
+    """--converted DIR (generate.load_prepared, the command's loading): the first start
+    converts and saves (orbax), the next restores the same prepared tree; other weights (a
+    seed) are refused, naming both."""
+    from benchmarks.config import tiny_config
+    cfg, _ = tiny_config("drop")
+    conv = tmp_path / "conv"
+    args = generate.build_parser().parse_args(["--converted", str(conv)])
+    args.config = "tiny"
+    _, first, src = generate.load_prepared(args, cfg)
+    assert f"converted parameters saved to {conv}" in src
+    _, second, src = generate.load_prepared(args, cfg)
+    assert f"converted parameters restored from {conv}" in src
+    assert jax.tree.structure(first) == jax.tree.structure(second)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    args.seed = 1
+    with pytest.raises(ValueError, match="was converted from 'seeded random weights, seed 0', "
+                                         "not 'seeded random weights, seed 1'"):
+        generate.load_prepared(args, cfg)
+
+
 def test_generate_a_batch_of_chat_prompts_with_a_stop_string(tmp_path, capsys):
     """--prompts-file (2 prompts, one batch), --chat: greedy tokens, then the same with --stop
     set to a piece of the first row's text: that row is cut before it and marked "stop", the
@@ -309,6 +332,13 @@ def _refused(argv, capsys) -> str:
     (["--compile-cache", ""], "argument --compile-cache: compile cache directory: empty"),
     (["--compile-cache", SMALL], f"argument --compile-cache: {os.path.abspath(SMALL)} is not a "
                                  "directory"),
+    (["--converted", SMALL], f"argument --converted: {SMALL} is not a directory"),
+    (["--mesh", "tensor=2,tensor=4"], "argument --mesh: mesh axis 'tensor' given twice"),
+    (["--mesh", "tensor"], "argument --mesh: 'tensor' is not axis=size (e.g. 'tensor=2')"),
+    (["--mesh", ""], "argument --mesh: empty mesh spec ''"),
+    (["--mesh", "data=x"], "argument --mesh: the size of 'data' must be an integer >= 1, got 'x'"),
+    (["--mesh", "tensor=2,expert=4"], "argument --mesh: mesh (data=1, tensor=2, expert=4) needs "
+                                      "8 devices but 1 were given"),
 ])
 def test_refused_options(argv, match, capsys):
     assert match in _refused(argv, capsys)

@@ -93,6 +93,37 @@ def test_flash_hand_count(flash):
         p["largest_placed_tensor"]["bytes"] == 384016682 * 256
 
 
+def test_flash_on_a_mesh(flash):
+    """The release config on meshes, split by dsv41_jax.sharding's table: expert=8 holds 48
+    experts a device (as the simple rule), tensor=8 splits the vocabulary rows and the query
+    heads / output groups but holds every expert; batch 8 over data=2 is 4 rows a device;
+    Engram sharded: the padded rows over the 8 devices."""
+    simple = mp.plan(flash, batch=8, context=131072, devices=8, engram="host")
+    w = simple["weights"]
+    ep = mp.plan(flash, batch=8, context=131072, mesh={"data": 1, "tensor": 1, "expert": 8},
+                 engram="host")
+    assert ep["devices"] == 8 and ep["experts_per_device"] == 48
+    assert ep["per_device"]["routed_experts"] == simple["per_device"]["routed_experts"]
+    assert ep["per_device"]["embed_head"] == w["embed_head"]          # replicated
+    assert ep["rows_per_device"] == 8 and ep["fits"]
+    tp = mp.plan(flash, batch=8, context=131072, mesh={"data": 1, "tensor": 8, "expert": 1},
+                 engram="host")
+    assert tp["per_device"]["embed_head"] == w["embed_head"] // 8   # vocabulary rows
+    assert tp["per_device"]["routed_experts"] == w["routed_experts"]
+    assert tp["per_device"]["attention"] < w["attention"] and not tp["fits"]
+    mix = mp.plan(flash, batch=8, context=131072, mesh={"data": 2, "tensor": 2, "expert": 2},
+                  engram="sharded")
+    assert mix["rows_per_device"] == 4 and mix["experts_per_device"] == 192
+    rows = 384006168 + 384016682
+    assert mix["per_device"]["engram_tables"] == -(-rows // 8) * (256 + 8)
+    assert "mesh data=2, tensor=2, expert=2" in mix["assumptions"][0]
+    with pytest.raises(ValueError, match="devices=4 differs from the mesh's 8 devices"):
+        mp.plan(flash, batch=8, context=64, devices=4, mesh={"data": 8, "tensor": 1,
+                                                              "expert": 1})
+    with pytest.raises(ValueError, match="n_routed_experts=384 does not divide by expert=5"):
+        mp.plan(flash, batch=8, context=64, mesh={"data": 1, "tensor": 1, "expert": 5})
+
+
 def test_split_rule():
     share = mp.device_share
     assert share("routed_experts", devices=16, n_routed_experts=384, engram="device") == 24 / 384

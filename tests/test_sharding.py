@@ -6,14 +6,16 @@ The sharded checks need 8 devices: on the CPU, ``--xla_force_host_platform_devic
 which must be in ``XLA_FLAGS`` before JAX starts its backend. When this module is run in a
 process with fewer devices (the usual test run), :func:`test_sharded_in_subprocess` runs the
 module again in a subprocess with the flag set, and the 8-device tests skip in the parent.
-Slow: about 2.5 minutes on 2 CPU cores, nearly all of it compiling (the single-device reference
+Slow: about 3.5 minutes on 2 CPU cores, nearly all of it compiling (the single-device reference
 and four meshes, a prefill and a decode step each, on the smallest config with every layer
-role; the MoE checks take 15 s).
+role; the generation loop on one device and two meshes, ~15 s each; the MoE checks take 15 s;
+the orbax round trip 7 s).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -24,7 +26,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dsv41_jax  # noqa: F401  (XLA numerics flags before JAX starts)
-from dsv41_jax import model, sharding, state as st
+from dsv41_jax import converted, generation, model, sharding, state as st
 from dsv41_jax.layers import moe as moe_layer
 
 from benchmarks.config import identity_token_map, tiny_config
@@ -37,6 +39,15 @@ needs_8 = pytest.mark.skipif(not HAVE_8, reason="needs 8 devices: run by "
 
 #: (data, tensor, expert) meshes of the model checks.
 MESHES = [(1, 8, 1), (1, 2, 4), (2, 2, 2), (8, 1, 1)]
+#: where the model checks put the Engram tables' rows per mesh (shard_params' engram=): split
+#: over all 8 devices on (2, 2, 2), replicated on the others
+ENGRAM = {(2, 2, 2): "sharded"}
+
+
+def _shard_params(params, cfg, shape):
+    mesh = sharding.make_mesh(*shape)
+    return mesh, sharding.shard_params(params, cfg, mesh,
+                                       engram=ENGRAM.get(shape, "replicated"))
 
 
 @pytest.mark.skipif(HAVE_8, reason="8 devices here: the sharded tests run in this process")
@@ -75,6 +86,30 @@ def test_make_mesh_value_errors():
         sharding.check_mesh(other)
 
 
+def test_parse_mesh_spec():
+    """``--mesh`` of the command lines: ``axis=size`` items, an axis left out is 1; a bad spec
+    is a ValueError naming the flag."""
+    parse = sharding.parse_mesh_spec
+    assert parse("data=1,tensor=2,expert=4") == {"data": 1, "tensor": 2, "expert": 4}
+    assert parse(" expert = 8 ,") == {"data": 1, "tensor": 1, "expert": 8}
+    assert parse("tensor=2,data=4") == {"data": 4, "tensor": 2, "expert": 1}
+    for bad, match in [("", "empty mesh spec"), (" , ", "empty mesh spec"),
+                       ("tensor", "'tensor' is not axis=size"),
+                       ("model=2", "unknown mesh axis 'model'; the axes are data, tensor, "
+                                   "expert"),
+                       ("data=2,data=2", "mesh axis 'data' given twice"),
+                       ("tensor=two", "the size of 'tensor' must be an integer >= 1, got 'two'"),
+                       ("expert=0", "the size of 'expert' must be an integer >= 1, got 0"),
+                       ("expert=-2", "the size of 'expert' must be an integer >= 1, got -2"),
+                       ("data=1.5", "the size of 'data' must be an integer >= 1, got '1.5'")]:
+        with pytest.raises(ValueError, match="^--mesh: " + re.escape(match)):
+            parse(bad)
+    with pytest.raises(ValueError, match="^--layout: unknown mesh axis"):
+        parse("x=1", flag="--layout")
+    one = sharding.make_mesh(**parse("data=1"), devices=jax.devices()[:1])
+    assert dict(one.shape) == {"data": 1, "tensor": 1, "expert": 1}
+
+
 @needs_8
 def test_value_errors_on_8_devices():
     cfg, _ = tiny_config("drop")
@@ -110,6 +145,21 @@ def test_param_logical_axes():
         ax("layer_groups/0/0/attn/attn_sink", 4)
     one = sharding.make_mesh(devices=jax.devices()[:1])
     assert sharding.spec_for(("q_heads", None), (8, 4), one) == P()
+
+
+def test_engram_places():
+    """The Engram rows' entry of the table: replicated, or split over every mesh axis; an
+    unknown place is refused."""
+    assert sharding.logical_axes_table()["engram_rows"] is None
+    assert sharding.logical_axes_table("sharded")["engram_rows"] == sharding.MESH_AXES
+    with pytest.raises(ValueError, match=r"engram must be one of \('replicated', 'sharded'\), "
+                                         "got 'host'"):
+        sharding.logical_axes_table("host")
+    plan = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+    assert sharding.spec_for(("engram_rows", None), (16, 4), plan, engram="sharded") == P(
+        sharding.MESH_AXES)
+    assert sharding.spec_for(("engram_rows", None), (12, 4), plan, engram="sharded") == P()
+    assert sharding.spec_for(("engram_rows", None), (16, 4), plan) == P()
 
 
 # ----------------------------------------------------------------------------- the MoE alone
@@ -201,18 +251,26 @@ def _state_leaves(state):
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_sharded_prefill_decode_bitwise(tiny, single, shape):
     """Prefill (CED, bounded replay: 20 tokens > window 16, ragged lengths) then decode steps
-    on a mesh: every logit and every state array equals the single-device run's bit for bit.
+    on a mesh (:data:`ENGRAM`: where the Engram rows go): every logit and every state array equals the single-device run's bit for bit.
 
     Why bitwise: ``tensor`` splits only independent work (heads, output groups, vocabulary
     rows; no contraction), ``data`` splits rows (each device runs its rows; the reference runs
     each row as a batch of one, ``batch_invariant``: a data-1 mesh runs batch-invariant too),
-    and the expert psum adds two bf16 values per token, exact in fp32 (see
-    :func:`dsv41_jax.layers.moe._expert_parallel` for when it may differ)."""
+    the expert psum adds two bf16 values per token, exact in fp32 (see
+    :func:`dsv41_jax.layers.moe._expert_parallel` for when it may differ), and the Engram rows
+    split over the devices (on (2, 2, 2)) are gathered by each device for its rows and added
+    to exact zeros from the others."""
     cfg, params, tokens, lengths, steps = tiny
     data = shape[0]
     B = N_DEV if data == N_DEV else 2
-    mesh = sharding.make_mesh(*shape)
-    sp = sharding.shard_params(params, cfg, mesh)
+    mesh, sp = _shard_params(params, cfg, shape)
+    if ENGRAM.get(shape) == "sharded":   # the tables' rows really split over the 8 devices
+        table = next(v for k, v in jax.tree_util.tree_leaves_with_path(sp)
+                     if jax.tree_util.keystr(k).endswith("['engram']['embed']['weight']"))
+        assert table.sharding.spec[2] == sharding.ENGRAM_ROW_AXES   # [units, layers, rows, E]
+        assert table.addressable_shards[0].data.shape[-2] == table.shape[-2] // N_DEV
+        # the entry points keep a tree already on the mesh: the run reads the split tables
+        assert sharding.shard_params(sp, cfg, mesh) is sp
     logits, state = _run(cfg, sp, tokens[:B], lengths[:B], steps, mesh=mesh,
                          batch_invariant=data == 1)
     ref_logits, ref_state = single
@@ -224,6 +282,63 @@ def test_sharded_prefill_decode_bitwise(tiny, single, shape):
         if data > 1:   # the state stays split by rows
             assert b.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), b.ndim), (
                 name, b.sharding)
+
+
+GEN_TOKENS = 3
+#: the generation loop's meshes: every axis split and both paths of the model step (rows one
+#: at a time on a data-1 mesh, one row per device on a data-2 mesh); the other two meshes run
+#: the same model steps in test_sharded_prefill_decode_bitwise, and each mesh here costs a
+#: compilation of the loop (~15 s on 2 cores)
+GEN_MESHES = [(1, 2, 4), (2, 2, 2)]
+
+
+def _generate(cfg, params, tokens, lengths, *, mesh=None, batch_invariant=False):
+    state = st.init_state(cfg, tokens.shape[0], CAPACITY)
+    out, state = model.prefill(params, cfg, tokens, state, lengths, mesh=mesh,
+                               batch_invariant=batch_invariant)
+    return generation.generate(params, cfg, state, out.logits, max_new_tokens=GEN_TOKENS,
+                               mesh=mesh, batch_invariant=batch_invariant)
+
+
+@pytest.fixture(scope="module")
+def single_generated(tiny):
+    """What greedy :func:`generation.generate` must give on one device: the prefill, then each
+    token the argmax of the last logits, fed to :func:`model.decode_step` (the programs of
+    :func:`single`, already compiled: every row as a batch of one). Returns ``(tokens [8,
+    GEN_TOKENS], state)``."""
+    cfg, params, tokens, lengths, _ = tiny
+    state = st.init_state(cfg, tokens.shape[0], CAPACITY)
+    out, state = model.prefill(params, cfg, tokens, state, lengths, batch_invariant=True)
+    logits, picked = out.logits, []
+    for i in range(GEN_TOKENS):
+        picked.append(np.argmax(np.asarray(logits), axis=-1).astype(np.int32))
+        if i + 1 < GEN_TOKENS:   # the loop does not run its last token through the model
+            logits, state = model.decode_step(params, cfg, state, picked[-1],
+                                              batch_invariant=True)
+    return np.stack(picked, axis=1), state
+
+
+@needs_8
+@pytest.mark.parametrize("shape", GEN_MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_generate_bitwise(tiny, single_generated, shape):
+    """Prefill then :func:`generation.generate` (the compiled loop of sample-then-decode
+    steps, greedy) on a mesh: the generated tokens, their counts and every state array equal
+    the single-device prefill and decode steps' (bitwise, for the reasons of
+    :func:`test_sharded_prefill_decode_bitwise`)."""
+    cfg, params, tokens, lengths, _ = tiny
+    data = shape[0]
+    B = N_DEV if data == N_DEV else 2
+    mesh, sp = _shard_params(params, cfg, shape)
+    res = _generate(cfg, sp, tokens[:B], lengths[:B], mesh=mesh, batch_invariant=data == 1)
+    ref_tokens, ref_state = single_generated
+    assert len(set(ref_tokens[:B].ravel().tolist())) > 1   # not a constant
+    np.testing.assert_array_equal(np.asarray(res.tokens), ref_tokens[:B])
+    np.testing.assert_array_equal(np.asarray(res.lengths), np.full(B, GEN_TOKENS))
+    for (path, a), (_, b) in zip(_state_leaves(ref_state), _state_leaves(res.state)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a)[:B],
+                                      err_msg=jax.tree_util.keystr(path))
+        if data > 1:
+            assert b.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), b.ndim)
 
 
 @needs_8
@@ -246,3 +361,44 @@ def test_placement(tiny):
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding.spec == P("data")
         assert leaf.addressable_shards[0].data.shape[0] == 2
+
+
+# ----------------------------------------------------------------------------- orbax
+
+
+@needs_8
+def test_converted_round_trip(tiny, tmp_path):
+    """Prepared parameters saved with orbax (from a (2, 2, 2) mesh) and restored straight into
+    the shardings of a mesh: the same tree, every leaf equal, every sharding that of
+    shard_params; on (1, 8, 1) too, and on one device. Refusals: a tree not prepared, a second
+    save, another config, another source, a directory without a save."""
+    cfg, params, *_ = tiny
+    mesh = sharding.make_mesh(2, 2, 2)
+    sp = sharding.shard_params(params, cfg, mesh)
+    d = converted.save_converted(tmp_path / "conv", sp, cfg, source="random seed 0")
+    assert converted.converted_info(d)["source"] == "random seed 0"
+    for shape in [(2, 2, 2), (1, 8, 1), None]:
+        m = None if shape is None else sharding.make_mesh(*shape)
+        got = converted.restore_converted(d, cfg, mesh=m, source="random seed 0")
+        want = params if m is None else sharding.shard_params(params, cfg, m)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+            name = jax.tree_util.keystr(path)
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+            if m is not None:
+                assert b.sharding == a.sharding, (name, b.sharding, a.sharding)
+            else:
+                assert b.sharding.device_set == {jax.devices()[0]}, name
+        if m is not None:   # really split, not replicated everywhere
+            assert len(sharding.describe(got, m)) > 10
+    with pytest.raises(ValueError, match="must be prepared"):
+        converted.save_converted(tmp_path / "raw", {"layers": []}, cfg)
+    with pytest.raises(ValueError, match="already holds converted parameters"):
+        converted.save_converted(d, sp, cfg)
+    with pytest.raises(ValueError, match=r"another config \(n_routed_experts 8 vs 4"):
+        converted.restore_converted(d, cfg.replace(n_routed_experts=4))
+    with pytest.raises(ValueError, match="converted from 'random seed 0', not 'ckpt'"):
+        converted.restore_converted(d, cfg, source="ckpt")
+    with pytest.raises(ValueError, match="holds no converted parameters"):
+        converted.restore_converted(tmp_path, cfg)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dsv41_jax.sharding import parse_mesh_spec
+
 
 class Parser(argparse.ArgumentParser):
     """``ArgumentParser`` whose usage errors are one line on stderr, exit status 2."""
@@ -38,3 +40,13 @@ def positive_ints(text: str) -> list[int]:
 def nonnegative_int(text: str) -> int:
     """An ``argparse`` type: an integer >= 0 (``ArgumentTypeError`` otherwise)."""
     return _int_at_least(text, 0)
+
+
+def mesh_spec(text: str) -> dict[str, int]:
+    """An ``argparse`` type: a mesh ``data=D,tensor=T,expert=E``
+    (:func:`dsv41_jax.sharding.parse_mesh_spec`; ``ArgumentTypeError`` otherwise). Returns the
+    axis sizes; the mesh is made when the program runs (``sharding.make_mesh(**sizes)``)."""
+    try:
+        return parse_mesh_spec(text, flag=None)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -8,6 +8,12 @@ format (``config.json`` + ``*.safetensors``).
 
     dsv41-generate --prompt "The capital of France is" --max-new-tokens 16
     dsv41-generate --chat --prompt "Why is the sky blue?" --temperature 0.6 --top-p 0.95
+    dsv41-generate --checkpoint DIR --mesh data=1,tensor=2,expert=4 --converted CONV_DIR
+
+``--mesh`` runs on a device mesh (tensor, expert and data parallelism; docs/architecture.md,
+"Sharding"); ``--converted DIR`` saves the converted parameters with orbax on the first start
+and restores them on the next ones straight into the mesh's shardings, skipping the checkpoint
+reading and the load-time conversions.
 
 The decoding runs on the device in one compiled loop (:func:`dsv41_jax.generation.generate`)
 and stops a row at ``<｜end▁of▁sentence｜>`` unless ``--no-eos``. ``--prompts-file`` runs one
@@ -38,10 +44,10 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from dsv41_jax import (chat, checkpoint, compile_cache, generation, model, random_weights,
-                       state as st, tokenizer)
+from dsv41_jax import (chat, checkpoint, compile_cache, converted, generation, model,
+                       random_weights, sharding, state as st, tokenizer)
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.cli.args import Parser, nonnegative_int, positive_int
+from dsv41_jax.cli.args import Parser, mesh_spec, nonnegative_int, positive_int
 from dsv41_jax.dtypes import F32
 from dsv41_jax.sampling import SamplingParams
 
@@ -179,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "and report their speed without compilation")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the measurements to this JSON file")
+    ap.add_argument("--converted", default=None, metavar="DIR",
+                    help="converted parameters (orbax, dsv41_jax.converted): restored from DIR "
+                         "when it holds them (no checkpoint reading or conversion), else "
+                         "written there after the conversion, for the next start")
+    ap.add_argument("--mesh", type=mesh_spec, default=None, metavar="data=D,tensor=T,expert=E",
+                    help="run on a device mesh of these axis sizes (their product: the number "
+                         "of devices; an axis left out is 1): tensor splits the query heads, "
+                         "output groups and vocabulary, expert the routed experts, data the "
+                         "prompts (docs/architecture.md, 'Sharding'); default: one device")
     return ap
 
 
@@ -257,6 +272,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
         ap.error(f"argument --compile-cache: {args.cache_dir} is not a directory")
     if args.config is not None and not os.path.isfile(args.config):
         ap.error(f"argument --config: no such file: {args.config}")
+    if args.converted is not None and os.path.exists(args.converted) \
+            and not os.path.isdir(args.converted):
+        ap.error(f"argument --converted: {args.converted} is not a directory")
     if args.json is not None:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
@@ -347,7 +365,7 @@ def state_capacity(need: int) -> int:
 
 
 def _prefill(params, cfg, rows: list[list[int]], capacity: int, chunk: int, mode: str,
-             progress: bool):
+             progress: bool, mesh=None):
     """Prefill the right-padded ``rows`` on a fresh state in the calls of :func:`chunk_plan`,
     each padded to a width of :func:`generation.length_buckets`; returns ``(last logits fp32
     [B, V], state)``."""
@@ -364,19 +382,19 @@ def _prefill(params, cfg, rows: list[list[int]], capacity: int, chunk: int, mode
             for b, (r, c) in enumerate(zip(rows, counts)):
                 toks[b, :c] = r[start[b]:start[b] + c]
                 start[b] += c
-            out, state = model.prefill(params, cfg, toks, state, counts, mode=mode)
+            out, state = model.prefill(params, cfg, toks, state, counts, mode=mode, mesh=mesh)
             bar.update(sum(counts))
     return out.logits, state
 
 
-def _warm_generate(params, cfg, B, capacity, max_new_tokens, sampling, seed):
+def _warm_generate(params, cfg, B, capacity, max_new_tokens, sampling, seed, mesh=None):
     """Compile the generation loop for these shapes on a throwaway state (run beside the
     prefill): logits that make token 0 certain and EOS id 0 end every row before any model
     step."""
     s = st.init_state(cfg, B, capacity)
     logits = jnp.full((B, cfg.vocab_size), -jnp.inf, F32).at[:, 0].set(0.0)
     res = generation.generate(params, cfg, s, logits, max_new_tokens=max_new_tokens,
-                              sampling=sampling, eos_ids=(0,), seed=seed)
+                              sampling=sampling, eos_ids=(0,), seed=seed, mesh=mesh)
     jax.block_until_ready(res)
 
 
@@ -394,20 +412,46 @@ def _row_outputs(tok, res, eos: tuple, stops: list[str]) -> list[dict]:
     return rows
 
 
+def load_prepared(args: argparse.Namespace, cfg: ModelConfig, mesh=None):
+    """The prepared parameters of ``args`` (``--checkpoint``, or seeded random weights of
+    ``--seed``), placed on ``mesh`` when given: restored from ``--converted DIR`` when it holds
+    a save of the same weights, else read, converted and (with ``--converted``) saved there.
+    Returns ``(cfg, params, source)``, ``source`` a line for the report. Raises
+    ``ValueError`` from the loader or from :func:`dsv41_jax.converted.restore_converted`
+    (a save of other weights or another config)."""
+    if args.checkpoint:
+        origin = f"checkpoint {os.path.abspath(args.checkpoint)}"
+        source = f"weights from {args.checkpoint}"
+    else:
+        origin = f"seeded random weights, seed {args.seed}"
+        source = (f"SEEDED RANDOM WEIGHTS (seed {args.seed}, config {os.path.basename(args.config)})"
+                  ": the text is noise; pass --checkpoint DIR for real weights")
+    if args.converted and converted.converted_info(args.converted) is not None:
+        params = converted.restore_converted(args.converted, cfg, mesh=mesh, source=origin)
+        return cfg, params, source + f"; converted parameters restored from {args.converted}"
+    if args.checkpoint:
+        cfg, params = checkpoint.load_params(args.checkpoint, cfg)
+    else:
+        params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, args.seed),
+                                                cfg)
+    params = model.prepare_params(params, cfg)
+    if mesh is not None:
+        params = sharding.shard_params(params, cfg, mesh)
+    if args.converted:
+        converted.save_converted(args.converted, params, cfg, source=origin)
+        source += f"; converted parameters saved to {args.converted}"
+    return cfg, params, source
+
+
 def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[int]]) -> dict:
     """Load or build the weights, prefill the prompts ``rows`` (token ids) in chunks, generate,
     print the report; returns the measurements. Raises ``ValueError`` from the model (e.g. a
     checkpoint tensor of the wrong shape)."""
     t_load = time.perf_counter()
-    if args.checkpoint:
-        cfg, params = checkpoint.load_params(args.checkpoint, cfg)
-        source = f"weights from {args.checkpoint}"
-    else:
-        params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, args.seed),
-                                                cfg)
-        source = (f"SEEDED RANDOM WEIGHTS (seed {args.seed}, config {os.path.basename(args.config)})"
-                  ": the text is noise; pass --checkpoint DIR for real weights")
-    params = model.prepare_params(params, cfg)
+    mesh = None if args.mesh is None else sharding.make_mesh(**args.mesh)
+    cfg, params, source = load_prepared(args, cfg, mesh)
+    if mesh is not None:
+        source += f"; on a mesh {dict(mesh.shape)}"
     B = len(rows)
     lens = [len(r) for r in rows]
     n_max, n_total = max(lens), sum(lens)
@@ -429,16 +473,16 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # the generation loop compiles beside the prefill (XLA compiles outside the GIL)
         warm = pool.submit(_warm_generate, params, cfg, B, capacity, args.max_new_tokens,
-                           sampling, args.seed)
+                           sampling, args.seed, mesh)
         t0 = time.perf_counter()
         logits, state = _prefill(params, cfg, rows, capacity, chunk, args.mode,
-                                 progress=n_max > chunk)
+                                 progress=n_max > chunk, mesh=mesh)
         logits.block_until_ready()
         ttft = time.perf_counter() - t0
         warm.result()
     t1 = time.perf_counter()
     res = generation.generate(params, cfg, state, logits, max_new_tokens=args.max_new_tokens,
-                              sampling=sampling, eos_ids=eos, seed=args.seed)
+                              sampling=sampling, eos_ids=eos, seed=args.seed, mesh=mesh)
     jax.block_until_ready(res)
     t_dec = time.perf_counter() - t1
     steps = int(np.asarray(res.lengths).max()) - 1
@@ -468,13 +512,14 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
     if args.time_steady:
         del res, state
         t0 = time.perf_counter()
-        logits, state = _prefill(params, cfg, rows, capacity, chunk, args.mode, progress=False)
+        logits, state = _prefill(params, cfg, rows, capacity, chunk, args.mode, progress=False,
+                                 mesh=mesh)
         logits.block_until_ready()
         t_pre = time.perf_counter() - t0
         t1 = time.perf_counter()
         res2 = generation.generate(params, cfg, state, logits,
                                    max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                   eos_ids=eos, seed=args.seed)
+                                   eos_ids=eos, seed=args.seed, mesh=mesh)
         jax.block_until_ready(res2)
         t_dec2 = time.perf_counter() - t1
         same = _row_outputs(tok, res2, eos, args.stop) == outs
@@ -489,6 +534,20 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
                          else None,
                          "same_tokens": same}
     return rec
+
+
+def check_mesh_arg(ap: argparse.ArgumentParser, sizes: dict, cfg: ModelConfig, *,
+                   batch: int | None = None):
+    """Refuse (``ap.error``, naming ``--mesh``) a mesh of ``sizes`` that JAX's devices, the
+    routed experts or the batch ``batch`` (the prompts) do not fit."""
+    try:
+        mesh = sharding.make_mesh(**sizes)
+        sharding.check_experts(cfg, mesh)
+        if batch is not None and batch % sizes["data"]:
+            raise ValueError(f"{batch} prompt{'s' * (batch > 1)} do not divide by the data "
+                             f"axis ({sizes['data']}): each data shard runs whole prompts")
+    except ValueError as e:
+        ap.error(f"argument --mesh: {e}")
 
 
 def encode_prompts(args: argparse.Namespace, tok) -> list[list[int]]:
@@ -513,6 +572,8 @@ def main(argv=None) -> int:
         chunk_plan([len(r) for r in rows], args.chunk)
     except ValueError as e:
         ap.error(f"argument --prompts-file: {e}")
+    if args.mesh is not None:
+        check_mesh_arg(ap, args.mesh, cfg, batch=len(rows))
     if args.cache_dir is None:
         compile_cache.disable()
     else:
