@@ -156,6 +156,9 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
       still quantised on use; FP8 / FP4 values times a power of two are exact in bf16), the
       results differing only in summation order.
 
+    * The DSpark draft head (``params["dspark"]``, when loaded) keeps one tree per stage
+      (``stages``), its linears in the same form.
+
     ``params``: the pytree of :func:`dsv41_jax.checkpoint.params_from_tensors` (or
     :func:`~dsv41_jax.random_weights.random_params_device`); an already prepared tree is returned
     as it is. Every entry point accepts both; passing the raw tree re-prepares it per call.
@@ -191,6 +194,12 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
         groups.append(tuple(runs))
     out = {k: v for k, v in params.items() if k != "layers"}
     out["layer_groups"] = tuple(groups)
+    if "dspark" in params:
+        ds = params["dspark"]
+        out["dspark"] = {**_prepare_layer({k: v for k, v in ds.items() if k != "stages"},
+                                          linears, experts),
+                         "stages": tuple(_prepare_layer(lp, linears, experts)
+                                         for lp in ds["stages"])}
     return out
 
 
