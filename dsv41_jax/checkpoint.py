@@ -283,32 +283,19 @@ def _block_tensors(out: dict, cfg, p: str, E: int) -> None:
     lin(f"{p}.ffn.shared_experts.w2", D, F)
 
 
-def dspark_on(cfg) -> bool:
-    """Whether the config builds the DSpark draft head (``dspark_block_size > 0`` and at least
-    one stage), as the reference does."""
-    return cfg.dspark_block_size > 0 and cfg.n_mtp_layers > 0
-
-
-def dspark_experts(cfg) -> tuple[int, int]:
-    """``(routed experts, activated experts)`` of the DSpark stages: the ``dspark_*`` values,
-    each falling back to the backbone's when 0 (the reference's ``get_moe_config``)."""
-    return (cfg.dspark_n_routed_experts or cfg.n_routed_experts,
-            cfg.dspark_n_activated_experts or cfg.n_activated_experts)
-
-
 def expected_dspark_tensors(cfg) -> dict[str, tuple[tuple, tuple]]:
     """The DSpark draft head's tensors (``mtp.*``; docs/architecture.md, "DSpark draft head"):
     name -> (shape, allowed dtypes); empty when the config has DSpark off. Each stage
-    ``mtp.k`` is a full block (SWA-only attention, MoE with :func:`dspark_experts`);
+    ``mtp.k`` is a full block (SWA-only attention, MoE with ``cfg.dspark_experts``);
     ``mtp.0`` adds ``main_proj`` / ``main_norm``, the last stage ``norm``, ``markov_head``
     and ``confidence_head``."""
-    if not dspark_on(cfg):
+    if not cfg.dspark_on:
         return {}
     D, V, M = cfg.dim, cfg.vocab_size, cfg.dspark_markov_rank
     T = len(cfg.dspark_target_layer_ids)
     bf16, f32 = ("bfloat16",), ("float32",)
     out: dict = {}
-    E, _ = dspark_experts(cfg)
+    E, _ = cfg.dspark_experts
     for k in range(cfg.n_mtp_layers):
         _block_tensors(out, cfg, f"mtp.{k}", E)
     if cfg.dtype == "fp8":
@@ -555,7 +542,7 @@ def _assemble(cfg, names, fetch: Callable[[str], Any], stack: Callable[[str, lis
         layers.append(block_params(tree["layers"][role.layer], f"layers.{role.layer}",
                                    cfg.n_routed_experts, role.owns_kv and role.ratio > 1))
     params["layers"] = layers
-    if dspark_on(cfg) and "mtp" in tree:
+    if cfg.dspark_on and "mtp" in tree:
         params["dspark"] = _dspark_params(cfg, tree["mtp"], conv, block_params, fetch)
     if cfg.engram_layer_ids:
         params.update(engram_params(cfg, tokenizer_map))
@@ -576,7 +563,7 @@ def _dspark_params(cfg, mtp: dict, conv, block_params, fetch) -> dict:
     reference holds them)."""
     import jax.numpy as jnp
 
-    E, _ = dspark_experts(cfg)
+    E, _ = cfg.dspark_experts
     n = cfg.n_mtp_layers
     last = mtp[n - 1]
     return {"stages": [block_params({k: v for k, v in mtp[k].items()

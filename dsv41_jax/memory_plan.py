@@ -107,7 +107,7 @@ def largest_placed_tensor(cfg) -> tuple[str, int]:
 def state_bytes(cfg, batch: int, context: int) -> dict[str, int]:
     """Bytes of the inference state (``init_state(cfg, batch, context)`` under
     ``jax.eval_shape``) by part: window rings, main KV, indexer K, compressor tails, encoder
-    ring (CED replay), Engram history and positions."""
+    ring (CED replay), Engram history and positions, DSpark features and stage rings."""
     from dsv41_jax import state as st
     s = jax.eval_shape(lambda: st.init_state(cfg, batch, context))
 
@@ -121,6 +121,9 @@ def state_bytes(cfg, batch: int, context: int) -> dict[str, int]:
         "compressor tails": sum(size(x.tail.kv, x.tail.score) for x in srcs if x.tail),
         "encoder ring": size(s.enc_ring.x, s.enc_ring.pre_mix) if s.enc_ring else 0,
         "Engram history, positions": size(s.engram_history, s.pos),
+        "DSpark features and rings": (size(s.dspark.features)
+                                      + sum(size(w.kv, w.scale) for w in s.dspark.windows)
+                                      if s.dspark else 0),
     }
 
 

@@ -34,12 +34,14 @@ import numpy as np
 
 from dsv41_jax import quant, sharding, state as st
 from dsv41_jax.config import LayerGroup, LayerPlan, ModelConfig
+from dsv41_jax.layers import dspark
 from dsv41_jax.layers import engram as engram_layer
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.attention import Bus, Chunk, attention, kv_source_update
 from dsv41_jax.layers.linear import dequant_weight, rms_norm
 from dsv41_jax.layers.moe import MOE_IMPLS, moe
 from dsv41_jax.layers.rope import rope_frequencies
+from dsv41_jax.sampling import SamplingParams
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from pallas_kernels import grouped_matmul
 from pallas_kernels.impls import check_family, on_gpu
@@ -219,34 +221,37 @@ def layer_params(prepared, cfg: ModelConfig, layer: int) -> dict:
 
 def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, ls: st.LayerState, bus: Bus,
           *, engram_ids=None, token_mask=None, image_mask=None, skip_kv_update=False,
-          record=None):
+          record=None, layer_id=None):
     """One backbone block with single-pass mHC wiring; Engram first if present
     (docs/architecture.md, "mHC: hyper-connections" and "Engram update").
 
     ``X`` bf16 [B, S, C, D]; ``pre_mix`` fp32 [B, S, C] from the previous block's FFN head;
-    ``ls`` the layer's slices of the state. Returns ``(X, f_pre, ls, bus)``.
+    ``ls`` the layer's slices of the state; ``layer_id`` (int32, possibly traced: the layer's
+    id inside a scanned group) where the block may be a DSpark target layer, whose input's
+    stream mean then goes into ``bus.features``. Returns ``(X, f_pre, ls, bus)``.
     """
-    C = cfg.hc_mult
     if role.engram:
         X = engram_layer.engram_forward(p["engram"], X, engram_ids, token_mask, cfg)
         if record is not None:
             record["engram_out"] = X
-    hc = dict(hc=C, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
-    a_pre, a_post, a_comb = mhc.hc_mixes(X, p["hc_attn_fn"], p["hc_attn_scale"],
-                                         p["hc_attn_base"], **hc)
-    xa = rms_norm(mhc.hc_pre(X, pre_mix), p["attn_norm"]["weight"], cfg.norm_eps)
-    y, ls, bus = attention(p["attn"], xa, role, cfg, ch, ls, bus,
-                           skip_kv_update=skip_kv_update, record=record)
-    X = mhc.hc_post(y, X, a_post, a_comb)
-    f_pre, f_post, f_comb = mhc.hc_mixes(X, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"],
-                                         **hc)
-    xf = rms_norm(mhc.hc_pre(X, a_pre), p["ffn_norm"]["weight"], cfg.norm_eps)
-    B, S, D = xf.shape
-    im = None if image_mask is None else image_mask.reshape(B * S)
-    y2, eidx, ew = moe(xf.reshape(B * S, D), p["ffn"], cfg, im, impl=ch.moe_impl,
-                       mesh=ch.mesh)
-    y2 = y2.reshape(B, S, D)
-    X = mhc.hc_post(y2, X, f_post, f_comb)
+    if layer_id is not None and bus.features is not None:
+        bus = dspark.capture_features(bus, X, layer_id, cfg.dspark_target_layer_ids)
+
+    def attn_fn(xa):
+        y, ls2, bus2 = attention(p["attn"], xa, role, cfg, ch, ls, bus,
+                                 skip_kv_update=skip_kv_update, record=record)
+        return y, (ls2, bus2)
+
+    def ffn_fn(xf):
+        B, S, D = xf.shape
+        im = None if image_mask is None else image_mask.reshape(B * S)
+        y2, eidx, ew = moe(xf.reshape(B * S, D), p["ffn"], cfg, im, impl=ch.moe_impl,
+                           mesh=ch.mesh)
+        return y2.reshape(B, S, D), (eidx, ew)
+
+    X, f_pre, (y, (ls, bus)), (y2, (eidx, ew)) = mhc.block_wiring(
+        p, X, pre_mix, attn_fn, ffn_fn, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters,
+        hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
     if record is not None:
         record.update(attn_out=y, ffn_out=y2, block_out=X, block_pre_mix=f_pre,
                       moe_topk_idx=eidx, moe_topk_weight=ew)
@@ -318,17 +323,21 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
     skip = g.head == skip_kv_layer
     if head_role.owns_index:
         width = _topk_width(cfg, ext_src if ext_src is not None else state.sources[g.head])
-        bus = Bus(topk=jnp.full((*ch.valid.shape, width), -1, jnp.int32),
-                  candidates=bus.candidates)
+        bus = dataclasses.replace(bus, topk=jnp.full((*ch.valid.shape, width), -1, jnp.int32))
 
-    def layer(p, X, pre_mix, role, ls, bus):
+    # DSpark target layers inside this group: their ids are traced in the scans
+    capture = (bus.features is not None
+               and any(L in cfg.dspark_target_layer_ids for u in g.units for L in u))
+    unit_ids = jnp.asarray(np.array(g.units, np.int32))
+
+    def layer(p, X, pre_mix, role, ls, bus, layer_id):
         rec = {} if collect else None
-        layer_id = role.layer
         X, pre_mix, ls, bus = block(
             p, X, pre_mix, role, cfg, ch, ls, bus,
-            engram_ids=extras["engram_ids"].get(layer_id) if role.engram else None,
+            engram_ids=extras["engram_ids"].get(role.layer) if role.engram else None,
             token_mask=extras["token_mask"], image_mask=extras["image_mask"],
-            skip_kv_update=skip and role.owns_kv, record=rec)
+            skip_kv_update=skip and role.owns_kv, record=rec,
+            layer_id=layer_id if capture else None)
         return X, pre_mix, ls, bus, rec
 
     scanned_p, pinned_p = zip(*[_pin_stacked(rp) for rp in runs_p])
@@ -343,7 +352,8 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
                 ls = st.LayerState(window=jax.tree.map(lambda a: a[0], w_runs[r]), source=src,
                                    stale_index=stale[0], stale_index_scale=stale[1])
                 p = _unpin(jax.tree.map(lambda a: a[0], p_runs[r]), pinned_p[r], u)
-                X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus)
+                X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus,
+                                                 unit_ids[u, start])
                 if role.owns_kv:
                     src = ls.source
                 new_w.append(jax.tree.map(lambda a: a[None], ls.window))
@@ -354,7 +364,8 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
                     p, w, j = xs2
                     ls = st.LayerState(window=w, source=src)
                     p = _unpin(p, pinned_p[r], u * length + j)
-                    X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus)
+                    X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus,
+                                                     unit_ids[u, start + j])
                     return (X, pre_mix, bus), (ls.window, rec)
                 (X, pre_mix, bus), (w, rec) = jax.lax.scan(
                     inner, (X, pre_mix, bus),
@@ -490,6 +501,33 @@ def _embed(params, cfg, tokens, embeds_override, image_mask):
     return jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
 
 
+def _dspark_bus(cfg: ModelConfig, bus: Bus, n, S: int) -> Bus:
+    """``bus`` with room for the DSpark target features of the last ``min(S, W)`` valid rows
+    of a chunk of ``S`` rows (``n`` valid)."""
+    rows = dspark.feature_rows(n, S, cfg.window_size)
+    T = len(cfg.dspark_target_layer_ids)
+    return dataclasses.replace(
+        bus, features=jnp.zeros((n.shape[0], rows.shape[1], T, cfg.dim), BF16),
+        feature_rows=rows)
+
+
+def _dspark_write(params, cfg: ModelConfig, state: st.InferenceState, bus: Bus, p0, n
+                  ) -> st.InferenceState:
+    """The captured target features (chunk rows ``bus.feature_rows`` of a chunk at ``p0``
+    with ``n`` valid rows) and every stage's window-ring entries of those positions written
+    into the DSpark state (docs/architecture.md, "DSpark draft head")."""
+    B, R = bus.feature_rows.shape
+    feats = bus.features.reshape(B, R, -1)
+    entries = dspark.stage_ring_entries(params["dspark"], feats, p0[:, None] + bus.feature_rows,
+                                        cfg)
+    q0, cnt = p0 + jnp.maximum(n - R, 0), jnp.minimum(n, R)
+    ds = state.dspark
+    ds = ds.replace(features=st.write_ring_values(ds.features, feats, q0, cnt),
+                    windows=tuple(st.write_ring(r, c, sc, q0, cnt)
+                                  for r, (c, sc) in zip(ds.windows, entries)))
+    return state.replace(dspark=ds)
+
+
 def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *,
                 static: Static,
                 mode: str, replay_len: int, all_logits: bool):
@@ -521,6 +559,19 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     enc_groups = [k for k, g in enumerate(plan.groups) if g.head < dec]
     dec_groups = [k for k, g in enumerate(plan.groups) if g.head >= dec]
 
+    # DSpark target features (docs/architecture.md, "DSpark draft head"): captured on the
+    # bus of the chunk that runs the target layers (the bounded replay in CED prefill)
+    targets = cfg.dspark_target_layer_ids if state.dspark is not None else ()
+    if targets and "dspark" not in params:
+        raise ValueError("the state has DSpark state (the config has DSpark on) but params "
+                         "carry no DSpark head: load a checkpoint that ships mtp.*")
+    replay = has_decoder and mode == "ced" and not decode
+    in_replay = replay and bool(targets) and all(t >= dec for t in targets)
+    if replay and not in_replay and any(t >= dec for t in targets):
+        raise ValueError(f"dspark_target_layer_ids {targets} lie on both sides of the CED "
+                         f"split (decoder from layer {dec})")
+    if targets and not in_replay:
+        bus = _dspark_bus(cfg, bus, n, S)
     X, pre_mix, state, bus = _run_blocks(params, cfg, plan, enc_groups, X, pre_mix, ch, state,
                                          bus, extras, records)
     if has_decoder:
@@ -532,7 +583,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
             pre_mix=st.write_ring_values(ring.pre_mix, pre_mix, p0, n)))
 
     out = {}
-    if has_decoder and mode == "ced" and not decode:
+    if replay:
         # Decoder global KV for every position, from the encoder output
         # (docs/architecture.md, "CED prefill and bounded replay").
         role = plan[dec]
@@ -560,8 +611,12 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
                             jnp.concatenate([jnp.zeros((B, W), bool), image_mask], 1),
                             jnp.where(rpos >= p0[:, None], W + rpos - p0[:, None], 0), axis=1))
         bus_r = Bus(topk=jnp.full((B, replay_len, 1), -1, jnp.int32))
-        Xr, pmr, state, _ = _run_blocks(params, cfg, plan, dec_groups, Xr, pmr, ch_r, state,
-                                        bus_r, extras_r, records, skip_kv_layer=dec)
+        if in_replay:
+            bus_r = _dspark_bus(cfg, bus_r, R, replay_len)
+        Xr, pmr, state, bus_r = _run_blocks(params, cfg, plan, dec_groups, Xr, pmr, ch_r, state,
+                                            bus_r, extras_r, records, skip_kv_layer=dec)
+        if in_replay:
+            state = _dspark_write(params, cfg, state, bus_r, start, R)
         out["logits"] = _logits_at(params, cfg, Xr, pmr, jnp.clip(R - 1, 0, replay_len - 1))
         if all_logits:
             out["replay_logits"] = head_logits(params, cfg, Xr, pmr)[1]
@@ -572,6 +627,8 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
         if all_logits:
             hid, lg = head_logits(params, cfg, X, pre_mix)
             out["all_logits"], out["final_hidden"] = lg, hid
+    if targets and not in_replay:
+        state = _dspark_write(params, cfg, state, bus, p0, n)
     state = state.replace(pos=p0 + n)
     return StepOutput(records=records, **out), state
 
@@ -839,3 +896,81 @@ def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k
         return out.logits, sharding.constrain_state(state, static.mesh)
 
     return step
+
+
+# ----------------------------------------------------------------------------- DSpark
+
+
+def _draft_impl(params, state, t_next, key, *, cfg: ModelConfig, sampling, moe_impl: str,
+                forced=None):
+    pd = params["dspark"]
+    Y, base = dspark.draft_block(pd, params["embed"]["weight"], params["head"]["weight"],
+                                 state.dspark.windows, t_next, state.pos - 1, cfg, moe_impl)
+    return dspark.markov_draft(pd, Y, base, t_next, sampling, key, forced)
+
+
+_draft_jit = jax.jit(_draft_impl, static_argnames=("cfg", "sampling", "moe_impl"))
+
+
+def draft_fn(cfg: ModelConfig, *, sampling=None, moe_impl: str = "auto"):
+    """A pure, traceable DSpark draft ``draft(params, state, t_next int32 [B], key) -> (ids,
+    logits, confidence)`` as :func:`draft` returns them, for loops that stay on the device (no
+    host checks). Raises ``ValueError`` for a config without DSpark or an unknown
+    ``moe_impl``."""
+    if not cfg.dspark_on:
+        raise ValueError("the config has DSpark off (dspark_block_size 0 or no mtp stage)")
+    sampling = sampling or SamplingParams()
+    moe_impl = _check_moe_impl(moe_impl)
+
+    def fn(params, state, t_next, key=None):
+        return _draft_impl(prepare_params(params, cfg), state, t_next.astype(jnp.int32), key,
+                           cfg=cfg, sampling=sampling, moe_impl=moe_impl)
+    return fn
+
+
+def draft(params, cfg: ModelConfig, state, t_next, *, sampling=None, key=None,
+          forced=None, moe_impl: str = "auto"):
+    """DSpark drafts after the positions the state holds (docs/architecture.md, "DSpark draft
+    head"): the stages over ``[t_next, noise x (bs - 1)]`` at positions ``pos .. pos + bs - 1``
+    (``bs = dspark_block_size``), every draft row attending to its stage's window ring and to
+    all draft rows, then the Markov correction while sampling and the confidence head.
+
+    Args:
+      t_next: int [B], the token the main model produced at the last position (``pos - 1``).
+      sampling: :class:`dsv41_jax.sampling.SamplingParams` of the draft tokens (default
+        greedy); ``key`` a PRNG key when it is not greedy.
+      forced: int [B, bs] (teacher forcing): the Markov embeddings read these tokens instead of
+        the drafted ones (``forced[:, 0]`` is ``t_next``).
+
+    Returns ``(ids int32 [B, bs + 1] = [t_next, drafts...], logits fp32 [B, bs, V] after the
+    Markov bias, confidence fp32 [B, bs] raw logits)``. The state is read, not changed.
+
+    Raises ``ValueError`` for a config or state without DSpark, params without the DSpark
+    head (``mtp.*``), ``t_next`` not [B] or outside the vocabulary, a state with no position
+    yet, ``forced`` not [B, bs], or a missing key for non-greedy sampling.
+    """
+    if not cfg.dspark_on or state.dspark is None:
+        raise ValueError("draft needs a config with DSpark on and a state that has its DSpark "
+                         "state (init_state with that config)")
+    if "dspark" not in params:
+        raise ValueError("params carry no DSpark head: load a checkpoint that ships mtp.*")
+    sampling = sampling or SamplingParams()
+    if not sampling.greedy and key is None:
+        raise ValueError("key: sampling drafts with temperature > 0 needs a PRNG key")
+    B = state.batch
+    t_next = np.asarray(t_next).reshape(-1)
+    if t_next.shape != (B,):
+        raise ValueError(f"t_next must have shape [{B}] (one per row), got {t_next.shape}")
+    _check_tokens(cfg, t_next, "t_next")
+    if (host_positions(state) < 1).any():
+        raise ValueError("draft needs at least one position in every row (prefill first)")
+    bs = cfg.dspark_block_size
+    if forced is not None:
+        forced = np.asarray(forced)
+        if forced.shape != (B, bs):
+            raise ValueError(f"forced must have shape [{B}, {bs}], got {forced.shape}")
+        _check_tokens(cfg, forced, "forced")
+        forced = jnp.asarray(forced, jnp.int32)
+    return _draft_jit(prepare_params(params, cfg), state, jnp.asarray(t_next, jnp.int32), key,
+                      cfg=cfg, sampling=sampling, moe_impl=_check_moe_impl(moe_impl),
+                      forced=forced)

@@ -12,8 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from dsv41_jax import checkpoint
-from dsv41_jax.checkpoint import (dspark_experts, dspark_on, expected_dspark_tensors,
-                                   expected_tensors)
+from dsv41_jax.checkpoint import expected_dspark_tensors, expected_tensors
 from dsv41_jax.config import ModelConfig
 
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -232,7 +231,7 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
             w = parts[5]
             gain = 0.5 if w == "w2" else 1.0
             stacked = f"{parts[0]}.{parts[1]}.ffn.experts.{w}"
-            E = cfg.n_routed_experts if parts[0] == "layers" else dspark_experts(cfg)[0]
+            E = cfg.n_routed_experts if parts[0] == "layers" else cfg.dspark_experts[0]
             if dtypes == ("uint8",):                        # packed FP4 [o, i/2]
                 o, i = shape[0], shape[1] * 2
                 flat[f"{stacked}.weight"], flat[f"{stacked}.scale"] = gens["fp4_rows"](
@@ -278,7 +277,7 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
                      "shared_experts": ffn["shared_experts"]}
         layers.append(lp)
     params["layers"] = layers
-    if dspark_on(cfg):
+    if cfg.dspark_on:
         mtp, n = tree["mtp"], cfg.n_mtp_layers
         last = mtp[n - 1]
         heads = ("main_proj", "main_norm", "norm", "markov_head", "confidence_head")
