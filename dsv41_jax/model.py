@@ -469,14 +469,15 @@ def _check_moe_impl(moe_impl: str) -> str:
 
 def make_chunk(cfg: ModelConfig, *, positions, valid, p0, n, win_lo, decode: bool, compat,
                attn_impl: str = "xla", win_width: int = 0, index_impl: str = "xla",
-               select_impl: str = "xla", moe_impl: str = "auto", mesh=None) -> Chunk:
+               select_impl: str = "xla", moe_impl: str = "auto", mesh=None,
+               journal: bool = False) -> Chunk:
     """The :class:`~dsv41_jax.layers.attention.Chunk` of a forward, with the config's RoPE
     frequency tables."""
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
     return Chunk(positions=positions, valid=valid, p0=p0, n=n, win_lo=win_lo,
                  compat_stale_index_k=compat, freqs=freqs, decode=decode, attn_impl=attn_impl,
                  win_width=win_width, index_impl=index_impl, select_impl=select_impl,
-                 moe_impl=moe_impl, mesh=mesh)
+                 moe_impl=moe_impl, mesh=mesh, journal=journal)
 
 
 def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
@@ -530,8 +531,9 @@ def _dspark_write(params, cfg: ModelConfig, state: st.InferenceState, bus: Bus, 
 
 def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *,
                 static: Static,
-                mode: str, replay_len: int, all_logits: bool):
-    """One prefill chunk or decode step (S = 1). See :func:`prefill`."""
+                mode: str, replay_len: int, all_logits: bool, journal: bool = False):
+    """One prefill chunk or decode step (S = 1). See :func:`prefill`. ``journal``: the
+    compressor tails also carry the tail after every count of the chunk (:func:`verify`)."""
     cfg = static.cfg
     plan = LayerPlan.from_config(cfg)
     B, S = tokens.shape
@@ -549,7 +551,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     # replay_len is min(W, S) on a fresh prefill, else W: the reference's window-list width
     ch = make_chunk(cfg, positions=positions, valid=valid, p0=p0, n=n,
                     win_lo=jnp.zeros_like(p0), decode=decode, compat=compat,
-                    win_width=0 if decode else replay_len, **kinds)
+                    win_width=0 if decode else replay_len, journal=journal, **kinds)
     records = {} if static.collect else None
     X = _embed(params, cfg, tokens, embeds_override, image_mask)
     pre_mix = mhc.identity_pre_mix((B, S), cfg.hc_mult)
@@ -974,3 +976,158 @@ def draft(params, cfg: ModelConfig, state, t_next, *, sampling=None, key=None,
     return _draft_jit(prepare_params(params, cfg), state, jnp.asarray(t_next, jnp.int32), key,
                       cfg=cfg, sampling=sampling, moe_impl=_check_moe_impl(moe_impl),
                       forced=forced)
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def greedy_acceptance(logits, tokens):
+    """Acceptance lengths of a verified block at temperature 0: ``1 +`` the number of leading
+    drafts equal to the main model's greedy token at the position before (int32 [B] in
+    ``1 .. S``; ``tokens`` int [B, S] = [last token, drafts...], ``logits`` fp32 [B, S, V])."""
+    match = jnp.argmax(logits[:, :-1], axis=-1).astype(jnp.int32) == tokens[:, 1:]
+    return 1 + jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def _rollback(params, cfg: ModelConfig, old: st.InferenceState, new: st.InferenceState, tokens,
+              a) -> st.InferenceState:
+    """The state after the first ``a[b]`` of the chunk's ``S`` positions (``S <= W``): ``new``
+    (all S written) with everything the later positions wrote put back from ``old``
+    (docs/architecture.md, "Verify and rollback"): their ring slots (every layer, the encoder
+    ring, the DSpark features and stage rings), their global entries (a ratio-2 entry whose
+    pair reaches a rejected position included), the compressor tails (after ``a`` positions,
+    from the chunk's journal), the Engram history and ``pos``."""
+    p0 = old.pos
+    S = tokens.shape[1]
+
+    def ring(o, nw):
+        W = o.shape[1]
+        d = jnp.mod(jnp.arange(W, dtype=jnp.int32)[None, :] - p0[:, None], W)   # chunk row
+        rej = (d >= a[:, None]) & (d < S)
+        return jnp.where(rej.reshape(*rej.shape, *([1] * (o.ndim - 2))), o, nw)
+
+    def rings(o, nw):
+        return jax.tree.map(ring, o, nw)
+
+    sources = {}
+    for i, src in new.sources.items():
+        r = cfg.compress_ratios[i]
+        lo, hi = (p0 + a) // r, (p0 + S) // r
+        ids = lo[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+        keep_old = ids < hi[:, None]
+
+        def restore(o_arr, n_arr):
+            rows = jnp.take_along_axis(
+                o_arr, jnp.clip(ids, 0, o_arr.shape[1] - 1).reshape(
+                    *ids.shape, *([1] * (o_arr.ndim - 2))), axis=1)
+            return st.append_entries(n_arr, rows, ids, keep_old)
+
+        o = old.sources[i]
+        tail = src.tail
+        if tail is not None:
+            pick = jnp.clip(a - 1, 0, S - 1)[:, None, None]
+            tail = st.CompressorTail(
+                kv=jnp.take_along_axis(tail.kv_by_count, pick, 1)[:, 0],
+                score=jnp.take_along_axis(tail.score_by_count, pick, 1)[:, 0])
+        sources[i] = st.KVSource(main=restore(o.main, src.main),
+                                 main_scale=restore(o.main_scale, src.main_scale),
+                                 index=restore(o.index, src.index),
+                                 index_scale=restore(o.index_scale, src.index_scale), tail=tail)
+    hist = old.engram_history
+    if hist is not None:
+        hist = engram_layer.engram_update_history(hist, params["engram_token_map"][tokens], a)
+    return new.replace(
+        pos=p0 + a, windows=rings(old.windows, new.windows), sources=sources,
+        engram_history=hist,
+        enc_ring=None if new.enc_ring is None else rings(old.enc_ring, new.enc_ring),
+        dspark=None if new.dspark is None else rings(old.dspark, new.dspark))
+
+
+def _verify_impl(params, tokens, state, accept, compat, *, static: Static):
+    B, S = tokens.shape
+    out, new = _chunk_impl(params, tokens, jnp.full((B,), S, jnp.int32), state, None, None,
+                           compat, static=static, mode="exact",
+                           replay_len=static.cfg.window_size, all_logits=True, journal=True)
+    a = greedy_acceptance(out.all_logits, tokens) if accept is None else accept
+    return out.all_logits, a, _rollback(params, static.cfg, state, new, tokens, a)
+
+
+_verify_jit = jax.jit(_verify_impl, static_argnames=("static",), donate_argnames=("state",))
+
+
+def verify_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
+              moe_impl: str = "auto"):
+    """A pure, traceable :func:`verify` ``fn(params, state, tokens int32 [B, k + 1], accept
+    int32 [B] or None) -> (logits, accept, state)`` for loops that stay on the device (no host
+    checks). Raises ``ValueError`` for an unknown ``attn_impl`` or ``moe_impl``."""
+    static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl),
+                    moe_impl=_check_moe_impl(moe_impl))
+    compat = jnp.asarray(compat_stale_index_k)
+
+    def fn(params, state, tokens, accept=None):
+        return _verify_impl(prepare_params(params, cfg), tokens.astype(jnp.int32), state,
+                            accept, compat, static=static)
+    return fn
+
+
+def max_drafts(cfg: ModelConfig) -> int:
+    """The most drafts :func:`verify` takes: ``dspark_block_size`` (DSpark on), else
+    ``window_size - 1``; never more than ``window_size - 1`` (the k + 1 positions of one call
+    must fall on distinct ring slots)."""
+    w = cfg.window_size - 1
+    return min(cfg.dspark_block_size, w) if cfg.dspark_on else w
+
+
+def verify(params, cfg: ModelConfig, state, tokens, accept=None, *,
+           compat_stale_index_k: bool = False, attn_impl: str = "auto", moe_impl: str = "auto"):
+    """The main model over ``k + 1`` positions per row in one call (the last accepted token
+    and ``k`` drafts), committing only an accepted prefix (docs/architecture.md, "Verify and
+    rollback").
+
+    Args:
+      tokens: int [B, k + 1], ``1 <= k <= max_drafts(cfg)``; position ``pos + s`` gets
+        ``tokens[:, s]``.
+      accept: int [B] in ``1 .. k + 1``, the positions to commit per row; ``None``: the greedy
+        rule (:func:`greedy_acceptance`) on this call's logits, on the device.
+      compat_stale_index_k, attn_impl, moe_impl: as in :func:`prefill`.
+
+    Returns ``(logits fp32 [B, k + 1, V], accept int32 [B], state)``: the logits of every
+    position, and the state (donated) as if only the first ``accept[b]`` tokens of each row
+    had run: nothing a rejected position wrote survives (window rings of every layer and of
+    the DSpark stages, global entries, compressor tails, Engram history, DSpark features,
+    ``pos``), and no unverified row is ever in a returned state.
+
+    Raises ``ValueError`` (the state untouched) for tokens not [B, k + 1] with the state's
+    batch, ``k`` of 0 or above :func:`max_drafts`, a token outside the vocabulary, a verify
+    past the state's capacity (``pos + k + 1``), ``accept`` not [B] or outside ``1 .. k + 1``.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, k + 1], got shape {tokens.shape}")
+    B, S = tokens.shape
+    if B != state.batch:
+        raise ValueError(f"tokens has batch {B} but the state holds {state.batch} rows")
+    k, kmax = S - 1, max_drafts(cfg)
+    if not 1 <= k <= kmax:
+        raise ValueError(f"tokens holds k = {k} drafts per row; verify takes 1 <= k <= "
+                         f"{kmax} (the draft block size, and k + 1 <= window_size)")
+    _check_tokens(cfg, tokens)
+    _check_capacity(cfg, state, np.full((B,), S, np.int32))
+    if accept is not None:
+        accept = np.asarray(accept)
+        if accept.shape != (B,) or not np.issubdtype(accept.dtype, np.integer):
+            raise ValueError(f"accept must be an int array of shape [{B}], got {accept.dtype} "
+                             f"{accept.shape}")
+        if (accept < 1).any() or (accept > S).any():
+            raise ValueError(f"accept must be in [1, {S}] (k + 1 = {S}), got "
+                             f"{accept.tolist()}")
+    static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl),
+                    moe_impl=_check_moe_impl(moe_impl))
+    params = prepare_params(params, cfg)
+    pos = host_positions(state)
+    logits, a, state = _verify_jit(params, jnp.asarray(tokens, jnp.int32), state,
+                                   None if accept is None else jnp.asarray(accept, jnp.int32),
+                                   jnp.asarray(compat_stale_index_k), static=static)
+    if accept is not None:
+        state = _with_host_positions(state, pos + accept)
+    return logits, a, state

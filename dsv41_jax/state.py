@@ -63,6 +63,10 @@ class CompressorTail:
 
     kv: Any         # fp32 [B, K]
     score: Any      # fp32 [B, K]
+    # verify only, inside one call (never in a returned state): the tail after each count
+    # c = 1..S of the chunk's positions, fp32 [B, S, K] (dsv41_jax.model.verify)
+    kv_by_count: Optional[Any] = None
+    score_by_count: Optional[Any] = None
 
 
 @_pytree

@@ -34,7 +34,7 @@ from pallas_kernels.sparse_attention import sparse_attention as sparse_attention
     jax.tree_util.register_dataclass,
     data_fields=["positions", "valid", "p0", "n", "win_lo", "compat_stale_index_k", "freqs"],
     meta_fields=["decode", "attn_impl", "win_width", "index_impl", "select_impl", "moe_impl",
-                 "mesh"])
+                 "mesh", "journal"])
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Chunk:
     """Positions of one forward over a chunk (arrays per batch row) and the static choices of
@@ -55,6 +55,7 @@ class Chunk:
     select_impl: str = "xla"       # indexer top-k kernel family (pallas_kernels.impls)
     moe_impl: str = "auto"        # routed experts of a large call (layers.moe.MOE_IMPLS)
     mesh: Any = None               # the device mesh (dsv41_jax.sharding), None on one device
+    journal: bool = False          # compressor tails after every count (verify)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -131,7 +132,8 @@ def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk,
     (docs/architecture.md, "KV sources"). ``x`` bf16 [B, S, D], the attention input."""
     r = role.ratio
     lat, ids, valid, new_tail = compressor.compress(x, p["compressor"], r, ch.p0, ch.n,
-                                                    src.tail if r > 1 else None, cfg.norm_eps)
+                                                    src.tail if r > 1 else None, cfg.norm_eps,
+                                                    journal=ch.journal)
     cos, sin = rope_angles(ids * r, ch.freqs[role.rope])
     # indexer keys come from the un-rotated, un-quantised latent
     # (docs/architecture.md, "KV sources")
