@@ -1043,12 +1043,14 @@ def _rollback(params, cfg: ModelConfig, old: st.InferenceState, new: st.Inferenc
         dspark=None if new.dspark is None else rings(old.dspark, new.dspark))
 
 
-def _verify_impl(params, tokens, state, accept, compat, *, static: Static):
+def _verify_impl(params, tokens, state, accept, compat, *, static: Static, max_accept=None):
     B, S = tokens.shape
     out, new = _chunk_impl(params, tokens, jnp.full((B,), S, jnp.int32), state, None, None,
                            compat, static=static, mode="exact",
                            replay_len=static.cfg.window_size, all_logits=True, journal=True)
     a = greedy_acceptance(out.all_logits, tokens) if accept is None else accept
+    if max_accept is not None:
+        a = jnp.clip(jnp.minimum(a, max_accept), 1, S)
     return out.all_logits, a, _rollback(params, static.cfg, state, new, tokens, a)
 
 
@@ -1058,15 +1060,16 @@ _verify_jit = jax.jit(_verify_impl, static_argnames=("static",), donate_argnames
 def verify_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
               moe_impl: str = "auto"):
     """A pure, traceable :func:`verify` ``fn(params, state, tokens int32 [B, k + 1], accept
-    int32 [B] or None) -> (logits, accept, state)`` for loops that stay on the device (no host
-    checks). Raises ``ValueError`` for an unknown ``attn_impl`` or ``moe_impl``."""
+    int32 [B] or None, max_accept int32 [B] or None) -> (logits, accept, state)`` for loops
+    that stay on the device (no host checks); ``max_accept`` caps the acceptance (e.g. 1 for
+    rows that are done). Raises ``ValueError`` for an unknown ``attn_impl`` or ``moe_impl``."""
     static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl),
                     moe_impl=_check_moe_impl(moe_impl))
     compat = jnp.asarray(compat_stale_index_k)
 
-    def fn(params, state, tokens, accept=None):
+    def fn(params, state, tokens, accept=None, max_accept=None):
         return _verify_impl(prepare_params(params, cfg), tokens.astype(jnp.int32), state,
-                            accept, compat, static=static)
+                            accept, compat, static=static, max_accept=max_accept)
     return fn
 
 

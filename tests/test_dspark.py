@@ -275,3 +275,47 @@ def test_verify_bad_input_changes_nothing(setup):
     with pytest.raises(ValueError, match="row 1: 30 tokens .* capacity of 3"):
         model.verify(params, cfg, near_full, np.zeros((2, 3), np.int32))
     assert_trees_bitwise_equal(_host(state), before, "the state after rejected calls")
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def test_speculative_greedy_generation_equals_plain(setup):
+    """Greedy speculative generation returns exactly the tokens of greedy ``generate`` (prompts
+    of both parities in one batch), with the DSpark drafts (untrained here: nearly nothing is
+    accepted) and with an oracle draft (the plain continuation, corrupted at every fourth
+    position of each row, so calls accept 1 to 6 positions, split ratio-2 pairs and cross the
+    window wrap): fewer main-model calls than tokens, and the same tokens."""
+    from dsv41_jax import generation as gen
+    cfg, params = setup
+    rows = [_tokens(15, 5, cfg.vocab_size), _tokens(17, 6, cfg.vocab_size)]
+    N = 12
+
+    def prefilled():
+        toks = np.zeros((2, S_BUCKET), np.int32)
+        for i, r in enumerate(rows):
+            toks[i, :len(r)] = r
+        out, s = model.prefill(params, cfg, toks, st.init_state(cfg, 2, CAP), [5, 6],
+                               mode="exact")
+        return out.logits, s
+
+    plain = np.asarray(gen.generate(params, cfg, *prefilled()[::-1], max_new_tokens=N).tokens)
+    spec = gen.generate_speculative(params, cfg, *prefilled()[::-1], max_new_tokens=N)
+    assert np.array_equal(np.asarray(spec.tokens), plain)
+    assert np.asarray(spec.lengths).tolist() == [N, N]
+    n0 = jnp.array([5, 6], jnp.int32)
+    table = jnp.asarray(np.concatenate([plain, np.zeros((2, 8), np.int32)], 1))
+    corrupt = (jnp.arange(N + 8)[None, :] + jnp.arange(2)[:, None]) % 4 == 3
+    table = jnp.where(corrupt, (table + 1) % cfg.vocab_size, table)
+
+    def oracle(params, state, last):
+        # token i of the continuation is the input at position n0 + i
+        at = state.pos - n0 + 1
+        ids = jnp.take_along_axis(table, at[:, None] + jnp.arange(5)[None, :], axis=1)
+        return (jnp.concatenate([last[:, None], ids], axis=1),)
+
+    spec = gen.generate_speculative(params, cfg, *prefilled()[::-1], max_new_tokens=N,
+                                    draft=oracle)
+    assert np.array_equal(np.asarray(spec.tokens), plain)
+    calls, accepted = int(spec.calls), np.asarray(spec.accepted)
+    assert calls < N - 1 and (accepted > calls).all(), (calls, accepted)
