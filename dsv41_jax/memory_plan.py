@@ -34,6 +34,7 @@ WEIGHT_KINDS = {
     "shared_experts": "shared experts",
     "embed_head": "embedding + LM head (head in fp32)",
     "engram_tables": "Engram tables (FP8 rows + E8M0 scales)",
+    "dspark": "DSpark draft head (mtp.*: 3 blocks of 128 experts, Markov and confidence heads)",
     "vision": "vision tower, aligner, image rows, bias_vl",
 }
 ENGRAM_PLACES = ("device", "sharded", "host")
@@ -50,6 +51,8 @@ def weight_kind(path: str) -> str:
     parts = path.split("/")
     if parts[0] in ("embed", "head"):
         return "embed_head"
+    if parts[0] == "dspark":
+        return "dspark"
     if parts[0] in ("vision", "aligner") or parts[0].startswith("image_") or "bias_vl" in parts:
         return "vision"
     if parts[0] == "layers" and len(parts) > 3:
@@ -74,7 +77,8 @@ def param_shapes(cfg):
 def weight_bytes(cfg) -> dict[str, int]:
     """Bytes of the loaded weights (as :func:`dsv41_jax.checkpoint.load_params` places them:
     stored forms, ``wo_a`` in bf16, the head and ratio-2 compressors in fp32) per
-    :data:`WEIGHT_KINDS` key. ``mtp.*`` (DSpark) is not loaded and not counted."""
+    :data:`WEIGHT_KINDS` key; DSpark (``mtp.*``) counted when the config has it on (the
+    loader reads it when the checkpoint ships it)."""
     from dsv41_jax import checkpoint
     out = dict.fromkeys(WEIGHT_KINDS, 0)
     for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg)):
@@ -210,7 +214,7 @@ def assumptions(cfg, devices: int, engram: str) -> list[str]:
         "activations: a rough estimate of one prefill chunk's largest intermediates "
         "(activation_bytes); XLA's workspace, fragmentation and compiled-program buffers are not "
         "counted: keep headroom",
-        "mtp.* (DSpark) is not loaded; GB = 1e9 bytes",
+        "mtp.* (DSpark) counted when the config has it on; GB = 1e9 bytes",
     ]
 
 
