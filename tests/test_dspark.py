@@ -207,8 +207,9 @@ def test_rows_with_different_acceptance_are_independent(setup):
 
 def test_verify_against_decode_steps(setup):
     """The greedy rule: each row's drafts are the main model's own greedy tokens (by decode
-    steps) up to a chosen point and a wrong token after it; ``verify`` (accept=None) accepts
-    exactly that prefix, and its state and logits equal those of the decode steps over the
+    steps) up to a chosen point and a wrong token after it; the greedy rule on ``verify``'s
+    logits accepts exactly that prefix (the rule on the device, ``accept=None``, runs in the
+    speculative loop below), and the state and logits equal those of the decode steps over the
     accepted tokens up to summation order: integer arrays and positions equal, the same ring
     slots and entries written, every float array's mean |diff| within 2% of its mean magnitude,
     the committed positions' logits within 5% of their scale. (Decode is not bitwise a chunk:
@@ -232,8 +233,9 @@ def test_verify_against_decode_steps(setup):
         for r in range(2):
             if a[r] < K1:
                 block[r, a[r]] = (seq[r, a[r]] + 1) % cfg.vocab_size    # first rejected draft
-        lv, av, sv = model.verify(params, cfg, _copy(base), block)
-        assert np.asarray(av).tolist() == a, f"greedy acceptance {np.asarray(av)}, expected {a}"
+        lv, av, sv = model.verify(params, cfg, _copy(base), block, np.array(a))
+        greedy = model.greedy_acceptance(lv, jnp.asarray(block))
+        assert np.asarray(greedy).tolist() == a, f"greedy acceptance {greedy}, expected {a}"
         h = _host(sv)
         for r in range(2):
             ref = states[a[r] - 1]
@@ -281,7 +283,7 @@ def test_verify_bad_input_changes_nothing(setup):
 
 
 def test_speculative_greedy_generation_equals_plain(setup):
-    """Greedy speculative generation returns exactly the tokens of greedy ``generate`` (prompts
+    """Greedy speculative generation returns exactly the tokens of greedy decoding (prompts
     of both parities in one batch), with the DSpark drafts (untrained here: nearly nothing is
     accepted) and with an oracle draft (the plain continuation, corrupted at every fourth
     position of each row, so calls accept 1 to 6 positions, split ratio-2 pairs and cross the
@@ -299,7 +301,12 @@ def test_speculative_greedy_generation_equals_plain(setup):
                                mode="exact")
         return out.logits, s
 
-    plain = np.asarray(gen.generate(params, cfg, *prefilled()[::-1], max_new_tokens=N).tokens)
+    logits, s = prefilled()           # greedy decode steps (generate's tokens, compiled here)
+    plain = [np.argmax(np.asarray(logits), -1).astype(np.int32)]
+    for _ in range(N - 1):
+        lg, s = model.decode_step(params, cfg, s, plain[-1])
+        plain.append(np.argmax(np.asarray(lg), -1).astype(np.int32))
+    plain = np.stack(plain, 1)
     spec = gen.generate_speculative(params, cfg, *prefilled()[::-1], max_new_tokens=N)
     assert np.array_equal(np.asarray(spec.tokens), plain)
     assert np.asarray(spec.lengths).tolist() == [N, N]
