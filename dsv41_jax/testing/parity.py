@@ -725,7 +725,8 @@ def _text_case(cfg, params, path, meta, teacher_forced, attn_impl, layers, e2e) 
     checks: list[Check] = []
     if cfg.engram_layer_ids:
         checks += engram_checks(cfg, params, f, meta["name"])
-    if teacher_forced and cfg.dspark_on and "dspark" in params:
+    if teacher_forced and layers is None and cfg.dspark_on and "dspark" in params:
+        # (a chosen set of layers restricts the run to those backbone blocks)
         checks += dspark_checks(cfg, params, f, meta["name"])
     if teacher_forced and meta.get("detail") == "full":
         checks += teacher_forced_blocks(cfg, params, f, meta["name"], layers=layers,
