@@ -14,6 +14,10 @@ Entry points (pure; jit-compiled with the config static and the state donated):
   positions (bounded replay). ``mode="exact"``: every position through every layer.
 * :func:`decode_step` - one token per row through all layers; :func:`decode_fn` - the same as a
   pure traceable function, for loops that stay on the device (:mod:`dsv41_jax.generation`).
+* :func:`draft` - DSpark drafts after the state's positions (docs/architecture.md, "DSpark
+  draft head"); :func:`verify` - k + 1 positions per row in one call, only the accepted prefix
+  committed (docs/architecture.md, "Verify and rollback"); :func:`draft_fn` /
+  :func:`verify_fn` - the same as pure traceable functions.
 
 The layers run as scanned groups over parameters stacked once by :func:`prepare_params`
 (docs/architecture.md, "Scanned layer groups"); each layer gets the slices of the state it reads
