@@ -238,6 +238,80 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _block_tensors(out: dict, cfg, p: str, E: int) -> None:
+    """The tensors every block holds (attention without indexer / compressor, mHC heads, MoE
+    with ``E`` routed experts) under the prefix ``p``, added to ``out``."""
+    D, H, K, Q = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
+    G, O, F, C = cfg.o_groups, cfg.o_lora_rank, cfg.moe_inter_dim, cfg.hc_mult
+    fp8 = cfg.dtype == "fp8"
+    fp4 = cfg.expert_dtype == "fp4"
+    bf16, f32, f8, e8, i8 = ("bfloat16",), ("float32",), ("float8_e4m3fn",), ("uint8",), ("uint8",)
+
+    def lin(name, o, i, quantized=fp8):
+        if quantized:
+            out[f"{name}.weight"] = ((o, i), f8)
+            out[f"{name}.scale"] = ((_cdiv(o, 32), _cdiv(i, 32)), e8)
+        else:
+            out[f"{name}.weight"] = ((o, i), bf16)
+
+    out[f"{p}.attn.attn_sink"] = ((H,), f32)
+    lin(f"{p}.attn.wq_a", Q, D)
+    out[f"{p}.attn.q_norm.weight"] = ((Q,), bf16)
+    lin(f"{p}.attn.wq_b", H * K, Q)
+    lin(f"{p}.attn.wkv", K, D)
+    out[f"{p}.attn.kv_norm.weight"] = ((K,), bf16)
+    lin(f"{p}.attn.wo_a", G * O, H * K // G)
+    lin(f"{p}.attn.wo_b", D, G * O)
+    out[f"{p}.attn_norm.weight"] = ((D,), bf16)
+    out[f"{p}.ffn_norm.weight"] = ((D,), bf16)
+    for h in ("attn", "ffn"):
+        out[f"{p}.hc_{h}_fn"] = (((2 + C) * C, C * D), f32)
+        out[f"{p}.hc_{h}_base"] = (((2 + C) * C,), f32)
+        out[f"{p}.hc_{h}_scale"] = ((3,), f32)
+    out[f"{p}.ffn.gate.weight"] = ((E, D), bf16)
+    out[f"{p}.ffn.gate.bias"] = ((E,), f32)
+    for e in range(E):
+        for w, (o, i) in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
+            n = f"{p}.ffn.experts.{e}.{w}"
+            if fp4:
+                out[f"{n}.weight"] = ((o, i // 2), i8)
+                out[f"{n}.scale"] = ((o, i // 32), e8)
+            else:
+                lin(n, o, i)
+    lin(f"{p}.ffn.shared_experts.w1", F, D)
+    lin(f"{p}.ffn.shared_experts.w3", F, D)
+    lin(f"{p}.ffn.shared_experts.w2", D, F)
+
+
+def expected_dspark_tensors(cfg) -> dict[str, tuple[tuple, tuple]]:
+    """The DSpark draft head's tensors (``mtp.*``; docs/architecture.md, "DSpark draft head"):
+    name -> (shape, allowed dtypes); empty when the config has DSpark off. Each stage
+    ``mtp.k`` is a full block (SWA-only attention, MoE with ``cfg.dspark_experts``);
+    ``mtp.0`` adds ``main_proj`` / ``main_norm``, the last stage ``norm``, ``markov_head``
+    and ``confidence_head``."""
+    if not cfg.dspark_on:
+        return {}
+    D, V, M = cfg.dim, cfg.vocab_size, cfg.dspark_markov_rank
+    T = len(cfg.dspark_target_layer_ids)
+    bf16, f32 = ("bfloat16",), ("float32",)
+    out: dict = {}
+    E, _ = cfg.dspark_experts
+    for k in range(cfg.n_mtp_layers):
+        _block_tensors(out, cfg, f"mtp.{k}", E)
+    if cfg.dtype == "fp8":
+        out["mtp.0.main_proj.weight"] = ((D, T * D), ("float8_e4m3fn",))
+        out["mtp.0.main_proj.scale"] = ((_cdiv(D, 32), _cdiv(T * D, 32)), ("uint8",))
+    else:
+        out["mtp.0.main_proj.weight"] = ((D, T * D), bf16)
+    out["mtp.0.main_norm.weight"] = ((D,), bf16)
+    last = f"mtp.{cfg.n_mtp_layers - 1}"
+    out[f"{last}.norm.weight"] = ((D,), bf16)
+    out[f"{last}.markov_head.embed.weight"] = ((V, M), bf16)
+    out[f"{last}.markov_head.head.weight"] = ((V, M), bf16 + f32)
+    out[f"{last}.confidence_head.proj.weight"] = ((1, D + M), bf16 + f32)
+    return out
+
+
 def expected_tensors(cfg) -> dict[str, tuple[tuple, tuple]]:
     """Every text-model tensor the reference format holds: name -> (shape, allowed dtypes).
 
@@ -268,33 +342,7 @@ def expected_tensors(cfg) -> dict[str, tuple[tuple, tuple]]:
     out["head.weight"] = ((cfg.vocab_size, D), bf16 + f32)
     for role in plan.roles:
         p = f"layers.{role.layer}"
-        out[f"{p}.attn.attn_sink"] = ((H,), f32)
-        lin(f"{p}.attn.wq_a", Q, D)
-        out[f"{p}.attn.q_norm.weight"] = ((Q,), bf16)
-        lin(f"{p}.attn.wq_b", H * K, Q)
-        lin(f"{p}.attn.wkv", K, D)
-        out[f"{p}.attn.kv_norm.weight"] = ((K,), bf16)
-        lin(f"{p}.attn.wo_a", G * O, H * K // G)
-        lin(f"{p}.attn.wo_b", D, G * O)
-        out[f"{p}.attn_norm.weight"] = ((D,), bf16)
-        out[f"{p}.ffn_norm.weight"] = ((D,), bf16)
-        for h in ("attn", "ffn"):
-            out[f"{p}.hc_{h}_fn"] = (((2 + C) * C, C * D), f32)
-            out[f"{p}.hc_{h}_base"] = (((2 + C) * C,), f32)
-            out[f"{p}.hc_{h}_scale"] = ((3,), f32)
-        out[f"{p}.ffn.gate.weight"] = ((E, D), bf16)
-        out[f"{p}.ffn.gate.bias"] = ((E,), f32)
-        for e in range(E):
-            for w, (o, i) in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
-                n = f"{p}.ffn.experts.{e}.{w}"
-                if fp4:
-                    out[f"{n}.weight"] = ((o, i // 2), i8)
-                    out[f"{n}.scale"] = ((o, i // 32), e8)
-                else:
-                    lin(n, o, i)
-        lin(f"{p}.ffn.shared_experts.w1", F, D)
-        lin(f"{p}.ffn.shared_experts.w3", F, D)
-        lin(f"{p}.ffn.shared_experts.w2", D, F)
+        _block_tensors(out, cfg, p, E)
         if role.owns_index:
             lin(f"{p}.attn.indexer.wq_b", I * J, Q)
             out[f"{p}.attn.indexer.weights_proj.weight"] = ((I, D), bf16)
@@ -364,6 +412,8 @@ def _check_layout(found: Mapping[str, tuple[tuple, str]], cfg, where: Callable[[
     as CODE in FILE)"``), ``missing_where`` to the message for a missing tensor.
     """
     exp = expected_tensors(cfg)
+    if any(n.startswith("mtp.") for n in found):   # DSpark shipped: all of it, as expected
+        exp.update(expected_dspark_tensors(cfg))
     missing = [n for n in exp if n not in found]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -454,40 +504,46 @@ def _assemble(cfg, names, fetch: Callable[[str], Any], stack: Callable[[str, lis
     ``stack(stacked_name, names)`` -> the tensors ``names`` stacked on a new leading axis, on
     the device. The load-time conversions (docs/architecture.md, "Checkpoint format and
     load-time conversions") run on the device right after their tensors are placed. ``mtp.*``
-    and top-level tensors the model does not use are never read."""
+    (DSpark) is read when the config has DSpark on and the checkpoint ships it; top-level
+    tensors the model does not use are never read."""
     import jax.numpy as jnp
 
     from dsv41_jax import quant
     from dsv41_jax.config import LayerPlan
 
     plan = LayerPlan.from_config(cfg)
-    tree = nest({n: n for n in names if not n.startswith("mtp.")})   # leaves: tensor names
+    tree = nest({n: n for n in names})   # leaves: tensor names
 
     def conv(x):
         return fetch(x) if isinstance(x, str) else {k: conv(v) for k, v in x.items()}
+
+    def block_params(lt, prefix, n_experts, fp32_compressor):
+        lp = {k: conv(v) for k, v in lt.items() if k not in ("ffn",)}
+        wo_a = lp["attn"]["wo_a"]
+        if "scale" in wo_a:
+            lp["attn"]["wo_a"] = {"weight": quant.dequant_fp8_weight(wo_a["weight"], wo_a["scale"])}
+        if fp32_compressor:
+            comp = lp["attn"]["compressor"]
+            for w in ("wkv", "wgate"):
+                comp[w] = {"weight": comp[w]["weight"].astype(jnp.float32)}
+        ffn = lt["ffn"]
+        experts = [ffn["experts"][e] for e in range(n_experts)]
+        p = f"{prefix}.ffn.experts"
+        stacked = {w: {k: stack(f"{p}.{w}.{k}", [ex[w][k] for ex in experts])
+                       for k in experts[0][w]} for w in ("w1", "w2", "w3")}
+        lp["ffn"] = {"gate": conv(ffn["gate"]), "experts": stacked,
+                     "shared_experts": conv(ffn["shared_experts"])}
+        return lp
 
     params: dict = {"embed": conv(tree["embed"]), "norm": conv(tree["norm"]),
                     "head": {"weight": fetch("head.weight").astype(jnp.float32)}}
     layers = []
     for role in plan.roles:
-        lt = tree["layers"][role.layer]
-        lp = {k: conv(v) for k, v in lt.items() if k not in ("ffn",)}
-        wo_a = lp["attn"]["wo_a"]
-        if "scale" in wo_a:
-            lp["attn"]["wo_a"] = {"weight": quant.dequant_fp8_weight(wo_a["weight"], wo_a["scale"])}
-        if role.owns_kv and role.ratio > 1:
-            comp = lp["attn"]["compressor"]
-            for w in ("wkv", "wgate"):
-                comp[w] = {"weight": comp[w]["weight"].astype(jnp.float32)}
-        ffn = lt["ffn"]
-        experts = [ffn["experts"][e] for e in range(cfg.n_routed_experts)]
-        p = f"layers.{role.layer}.ffn.experts"
-        stacked = {w: {k: stack(f"{p}.{w}.{k}", [ex[w][k] for ex in experts])
-                       for k in experts[0][w]} for w in ("w1", "w2", "w3")}
-        lp["ffn"] = {"gate": conv(ffn["gate"]), "experts": stacked,
-                     "shared_experts": conv(ffn["shared_experts"])}
-        layers.append(lp)
+        layers.append(block_params(tree["layers"][role.layer], f"layers.{role.layer}",
+                                   cfg.n_routed_experts, role.owns_kv and role.ratio > 1))
     params["layers"] = layers
+    if cfg.dspark_on and "mtp" in tree:
+        params["dspark"] = _dspark_params(cfg, tree["mtp"], conv, block_params, fetch)
     if cfg.engram_layer_ids:
         params.update(engram_params(cfg, tokenizer_map))
     for name in ("image_start", "image_end", "image_newline"):
@@ -497,6 +553,30 @@ def _assemble(cfg, names, fetch: Callable[[str], Any], stack: Callable[[str, lis
         params["vision"] = conv(tree["vision"])
         params["aligner"] = conv(tree["aligner"])
     return params
+
+
+def _dspark_params(cfg, mtp: dict, conv, block_params, fetch) -> dict:
+    """The DSpark draft head's parameters (docs/architecture.md, "DSpark draft head") from the
+    nested ``mtp.*`` tensor names: ``stages`` (one block per stage, as the backbone's),
+    ``main_proj`` / ``main_norm`` (``mtp.0``), and the last stage's ``norm``,
+    ``markov_embed``, ``markov_head`` and ``confidence`` (the last two upcast to fp32, as the
+    reference holds them)."""
+    import jax.numpy as jnp
+
+    E, _ = cfg.dspark_experts
+    n = cfg.n_mtp_layers
+    last = mtp[n - 1]
+    return {"stages": [block_params({k: v for k, v in mtp[k].items()
+                                     if k not in ("main_proj", "main_norm", "norm",
+                                                  "markov_head", "confidence_head")},
+                                    f"mtp.{k}", E, False) for k in range(n)],
+            "main_proj": conv(mtp[0]["main_proj"]), "main_norm": conv(mtp[0]["main_norm"]),
+            "norm": conv(last["norm"]),
+            "markov_embed": conv(last["markov_head"]["embed"]),
+            "markov_head": {"weight": fetch(last["markov_head"]["head"]["weight"]
+                                            ).astype(jnp.float32)},
+            "confidence": {"weight": fetch(last["confidence_head"]["proj"]["weight"]
+                                           ).astype(jnp.float32)}}
 
 
 def _placed(place, name, host):

@@ -260,6 +260,19 @@ class ModelConfig:
         return self.n_layers + self.n_mtp_layers
 
     @property
+    def dspark_on(self) -> bool:
+        """Whether the DSpark draft head is built (``dspark_block_size > 0`` and at least one
+        stage), as the reference decides."""
+        return self.dspark_block_size > 0 and self.n_mtp_layers > 0
+
+    @property
+    def dspark_experts(self) -> tuple[int, int]:
+        """``(routed, activated)`` experts of the DSpark stages: the ``dspark_*`` values, each
+        falling back to the backbone's when 0 (the reference's ``get_moe_config``)."""
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_n_activated_experts or self.n_activated_experts)
+
+    @property
     def kv_bytes_per_entry(self) -> dict:
         """Packed bytes of one global entry: main KV and indexer K (docs/architecture.md,
         "Bytes per token")."""

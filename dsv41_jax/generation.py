@@ -251,3 +251,132 @@ def bucket_length(n: int, buckets) -> int:
     if n > bs[-1]:
         raise ValueError(f"n={n} is above the largest bucket {bs[-1]}")
     return next(b for b in bs if b >= n)
+
+
+# ----------------------------------------------------------------------------- speculative
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "lengths", "state", "calls", "accepted"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SpeculativeResult:
+    """What :func:`generate_speculative` returns: ``tokens``, ``lengths`` and ``state`` as in
+    :class:`GenerationResult`, ``calls`` int32 [] (main-model calls: verify steps) and
+    ``accepted`` int32 [B] (positions committed per row by the verify steps while the row was
+    live: the acceptance length per call is ``accepted / calls``)."""
+
+    tokens: Any
+    lengths: Any
+    state: Any
+    calls: Any
+    accepted: Any
+
+
+def _spec_loop(params, state, logits, eos, *, cfg: ModelConfig, max_new_tokens: int, k: int,
+               attn_impl: str, draft=None) -> SpeculativeResult:
+    """Greedy speculative generation as one traceable function (see
+    :func:`generate_speculative`)."""
+    draft = draft or model.draft_fn(cfg)
+    verify = model.verify_fn(cfg, attn_impl=attn_impl)
+    params = model.prepare_params(params, cfg)
+    B, N = logits.shape[0], max_new_tokens
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = jnp.full((B, N), -1, jnp.int32).at[:, 0].set(first)
+    done = (first[:, None] == eos[None, :]).any(axis=1) | (N <= 1)
+    lengths = jnp.ones((B,), jnp.int32)
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+
+    def cond(c):
+        return ~c[3].all()
+
+    def body(c):
+        state, tokens, lengths, done, last, calls, accepted = c
+        block = draft(params, state, last)[0][:, :k + 1]
+        lg, a, state = verify(params, state, block, None,
+                              jnp.where(done, 1, k + 1).astype(jnp.int32))
+        bonus = jnp.argmax(jnp.take_along_axis(lg, (a - 1)[:, None, None], axis=1)[:, 0],
+                           axis=-1).astype(jnp.int32)
+        # emitted: the accepted drafts, then the main model's token after them
+        emit = jnp.where(j == (a - 1)[:, None], bonus[:, None],
+                         jnp.concatenate([block[:, 1:], block[:, :1]], axis=1))
+        is_eos = (emit[..., None] == eos[None, None, :]).any(-1) & (j < a[:, None])
+        first_eos = jnp.min(jnp.where(is_eos, j, k + 1), axis=1)
+        n_emit = jnp.minimum(jnp.minimum(a, first_eos + 1), N - lengths)
+        live = ~done
+        write = live[:, None] & (j < n_emit[:, None])
+        idx = jnp.where(write, lengths[:, None] + j, N)
+        tokens = tokens.at[jnp.arange(B)[:, None], idx].set(emit, mode="drop")
+        new_len = lengths + jnp.where(live, n_emit, 0)
+        done = done | (live & ((first_eos < a) | (new_len >= N)))
+        return (state, tokens, new_len, done, jnp.where(live, bonus, last), calls + 1,
+                accepted + jnp.where(live, a, 0))
+
+    c = (state, tokens, lengths, done, first, jnp.zeros((), jnp.int32),
+         jnp.zeros((B,), jnp.int32))
+    state, tokens, lengths, done, last, calls, accepted = jax.lax.while_loop(cond, body, c)
+    return SpeculativeResult(tokens=tokens, lengths=lengths, state=state, calls=calls,
+                             accepted=accepted)
+
+
+_spec_jit = jax.jit(_spec_loop,
+                    static_argnames=("cfg", "max_new_tokens", "k", "attn_impl", "draft"),
+                    donate_argnames=("state",))
+
+
+def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
+                         drafts: int | None = None, eos_ids=(), attn_impl: str = "auto",
+                         draft=None) -> SpeculativeResult:
+    """Greedy generation with DSpark speculation, on the device (docs/architecture.md, "Verify
+    and rollback"): each loop iteration drafts ``drafts`` tokens after each row's latest token
+    (:func:`dsv41_jax.model.draft`), verifies them in one main-model call
+    (:func:`dsv41_jax.model.verify`, greedy acceptance) and emits the accepted drafts and the
+    main model's token after them, so the tokens are those of greedy :func:`generate` (up to
+    the summation order of a ``k + 1``-row call against a one-row decode step).
+
+    Args: as :func:`generate` (greedy only); ``drafts``: draft tokens per call, 1 ..
+    :func:`dsv41_jax.model.max_drafts` (default: the most). A row that is done keeps
+    committing one position per call. Needs room for ``pos + max_new_tokens + drafts`` tokens.
+    ``draft``: a traceable ``(params, state, last int32 [B]) -> (ids int32 [B, >= drafts + 1],
+    ...)`` in place of DSpark (:func:`dsv41_jax.model.draft_fn`), e.g. an oracle for an upper
+    bound or a test; ``ids[:, 0]`` must be ``last``.
+
+    Returns :class:`SpeculativeResult`; its state holds, per row, every emitted token but the
+    last (a row's last emitted token is the next input), plus one position per call after the
+    row was done. Raises ``ValueError`` (nothing runs) for a config, state or params without
+    DSpark, ``drafts`` out of range, or what :func:`generate` refuses.
+    """
+    if draft is None and (not cfg.dspark_on or state.dspark is None or "dspark" not in params):
+        raise ValueError("speculative generation needs DSpark: a config with it on, its state "
+                         "and params with the draft head (mtp.*)")
+    kmax = model.max_drafts(cfg)
+    k = kmax if drafts is None else drafts
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= kmax:
+        raise ValueError(f"drafts must be an integer in [1, {kmax}], got {drafts!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    pos = model.host_positions(state)
+    B = pos.shape[0]
+    if tuple(np.shape(logits)) != (B, cfg.vocab_size):
+        raise ValueError(f"logits must have shape [B, V] = {[B, cfg.vocab_size]}, got "
+                         f"{list(np.shape(logits))}")
+    cap = st.capacity_of(state, cfg)
+    over = pos + max_new_tokens + k > cap
+    if over.any():
+        b = int(np.argmax(over))
+        raise ValueError(f"max_new_tokens={max_new_tokens} with {k} drafts: row {b} holds "
+                         f"{int(pos[b])} tokens and the state's capacity is {cap}, so at most "
+                         f"{cap - int(pos[b]) - k} new tokens fit")
+    eos = list(eos_ids)
+    for e in eos:
+        if isinstance(e, bool) or not isinstance(e, (int, np.integer)) \
+                or not 0 <= e < cfg.vocab_size:
+            raise ValueError(f"eos_ids: {e!r} is not a token id in [0, vocab_size="
+                             f"{cfg.vocab_size})")
+    model.verify_fn(cfg, attn_impl=attn_impl)   # raises ValueError for an unknown attn_impl
+    eos_arr = np.full((max(8, -(-len(eos) // 8) * 8),), -1, np.int32)
+    eos_arr[:len(eos)] = eos
+    return _spec_jit(model.prepare_params(params, cfg), state, jnp.asarray(logits, F32),
+                     jnp.asarray(eos_arr), cfg=cfg, max_new_tokens=int(max_new_tokens),
+                     k=int(k), attn_impl=attn_impl, draft=draft)

@@ -38,6 +38,7 @@ WEIGHT_KINDS = {
     "shared_experts": "shared experts",
     "embed_head": "embedding + LM head (head in fp32)",
     "engram_tables": "Engram tables (FP8 rows + E8M0 scales)",
+    "dspark": "DSpark draft head (mtp.*: 3 blocks of 128 experts, Markov and confidence heads)",
     "vision": "vision tower, aligner, image rows, bias_vl",
 }
 ENGRAM_PLACES = ("device", "sharded", "host")
@@ -54,6 +55,8 @@ def weight_kind(path: str) -> str:
     parts = path.split("/")
     if parts[0] in ("embed", "head"):
         return "embed_head"
+    if parts[0] == "dspark":
+        return "dspark"
     if parts[0] in ("vision", "aligner") or parts[0].startswith("image_") or "bias_vl" in parts:
         return "vision"
     if parts[0] == "layers" and len(parts) > 3:
@@ -78,8 +81,9 @@ def param_shapes(cfg):
 def weight_bytes(cfg, shapes=None) -> dict[str, int]:
     """Bytes of the loaded weights (as :func:`dsv41_jax.checkpoint.load_params` places them:
     stored forms, ``wo_a`` in bf16, the head and ratio-2 compressors in fp32) per
-    :data:`WEIGHT_KINDS` key. ``mtp.*`` (DSpark) is not loaded and not counted. ``shapes``:
-    :func:`param_shapes` of ``cfg`` when already made."""
+    :data:`WEIGHT_KINDS` key; DSpark (``mtp.*``) counted when the config has it on (the
+    loader reads it when the checkpoint ships it). ``shapes``: :func:`param_shapes` of
+    ``cfg`` when already made."""
     from dsv41_jax import checkpoint
     out = dict.fromkeys(WEIGHT_KINDS, 0)
     for path, leaf in jax.tree_util.tree_leaves_with_path(shapes or param_shapes(cfg)):
@@ -112,7 +116,7 @@ def largest_placed_tensor(cfg) -> tuple[str, int]:
 def state_bytes(cfg, batch: int, context: int) -> dict[str, int]:
     """Bytes of the inference state (``init_state(cfg, batch, context)`` under
     ``jax.eval_shape``) by part: window rings, main KV, indexer K, compressor tails, encoder
-    ring (CED replay), Engram history and positions."""
+    ring (CED replay), Engram history and positions, DSpark features and stage rings."""
     from dsv41_jax import state as st
     s = jax.eval_shape(lambda: st.init_state(cfg, batch, context))
 
@@ -126,6 +130,9 @@ def state_bytes(cfg, batch: int, context: int) -> dict[str, int]:
         "compressor tails": sum(size(x.tail.kv, x.tail.score) for x in srcs if x.tail),
         "encoder ring": size(s.enc_ring.x, s.enc_ring.pre_mix) if s.enc_ring else 0,
         "Engram history, positions": size(s.engram_history, s.pos),
+        "DSpark features and rings": (size(s.dspark.features)
+                                      + sum(size(w.kv, w.scale) for w in s.dspark.windows)
+                                      if s.dspark else 0),
     }
 
 
@@ -246,7 +253,7 @@ def assumptions(cfg, devices: int, engram: str) -> list[str]:
         "activations: a rough estimate of one prefill chunk's largest intermediates "
         "(activation_bytes); XLA's workspace, fragmentation and compiled-program buffers are not "
         "counted: keep headroom",
-        "mtp.* (DSpark) is not loaded; GB = 1e9 bytes",
+        "mtp.* (DSpark) counted when the config has it on; GB = 1e9 bytes",
     ]
 
 

@@ -14,6 +14,10 @@ Entry points (pure; jit-compiled with the config static and the state donated):
   positions (bounded replay). ``mode="exact"``: every position through every layer.
 * :func:`decode_step` - one token per row through all layers; :func:`decode_fn` - the same as a
   pure traceable function, for loops that stay on the device (:mod:`dsv41_jax.generation`).
+* :func:`draft` - DSpark drafts after the state's positions (docs/architecture.md, "DSpark
+  draft head"); :func:`verify` - k + 1 positions per row in one call, only the accepted prefix
+  committed (docs/architecture.md, "Verify and rollback"); :func:`draft_fn` /
+  :func:`verify_fn` - the same as pure traceable functions.
 
 The layers run as scanned groups over parameters stacked once by :func:`prepare_params`
 (docs/architecture.md, "Scanned layer groups"); each layer gets the slices of the state it reads
@@ -34,12 +38,14 @@ import numpy as np
 
 from dsv41_jax import quant, sharding, state as st
 from dsv41_jax.config import LayerGroup, LayerPlan, ModelConfig
+from dsv41_jax.layers import dspark
 from dsv41_jax.layers import engram as engram_layer
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.attention import Bus, Chunk, attention, kv_source_update
 from dsv41_jax.layers.linear import dequant_weight, rms_norm
 from dsv41_jax.layers.moe import MOE_IMPLS, moe
 from dsv41_jax.layers.rope import rope_frequencies
+from dsv41_jax.sampling import SamplingParams
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from pallas_kernels import grouped_matmul
 from pallas_kernels.impls import check_family, on_gpu
@@ -156,6 +162,9 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
       still quantised on use; FP8 / FP4 values times a power of two are exact in bf16), the
       results differing only in summation order.
 
+    * The DSpark draft head (``params["dspark"]``, when loaded) keeps one tree per stage
+      (``stages``), its linears in the same form.
+
     ``params``: the pytree of :func:`dsv41_jax.checkpoint.params_from_tensors` (or
     :func:`~dsv41_jax.random_weights.random_params_device`); an already prepared tree is returned
     as it is. Every entry point accepts both; passing the raw tree re-prepares it per call.
@@ -191,6 +200,12 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
         groups.append(tuple(runs))
     out = {k: v for k, v in params.items() if k != "layers"}
     out["layer_groups"] = tuple(groups)
+    if "dspark" in params:
+        ds = params["dspark"]
+        out["dspark"] = {**_prepare_layer({k: v for k, v in ds.items() if k != "stages"},
+                                          linears, experts),
+                         "stages": tuple(_prepare_layer(lp, linears, experts)
+                                         for lp in ds["stages"])}
     return out
 
 
@@ -210,34 +225,37 @@ def layer_params(prepared, cfg: ModelConfig, layer: int) -> dict:
 
 def block(p: dict, X, pre_mix, role, cfg: ModelConfig, ch: Chunk, ls: st.LayerState, bus: Bus,
           *, engram_ids=None, token_mask=None, image_mask=None, skip_kv_update=False,
-          record=None):
+          record=None, layer_id=None):
     """One backbone block with single-pass mHC wiring; Engram first if present
     (docs/architecture.md, "mHC: hyper-connections" and "Engram update").
 
     ``X`` bf16 [B, S, C, D]; ``pre_mix`` fp32 [B, S, C] from the previous block's FFN head;
-    ``ls`` the layer's slices of the state. Returns ``(X, f_pre, ls, bus)``.
+    ``ls`` the layer's slices of the state; ``layer_id`` (int32, possibly traced: the layer's
+    id inside a scanned group) where the block may be a DSpark target layer, whose input's
+    stream mean then goes into ``bus.features``. Returns ``(X, f_pre, ls, bus)``.
     """
-    C = cfg.hc_mult
     if role.engram:
         X = engram_layer.engram_forward(p["engram"], X, engram_ids, token_mask, cfg)
         if record is not None:
             record["engram_out"] = X
-    hc = dict(hc=C, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
-    a_pre, a_post, a_comb = mhc.hc_mixes(X, p["hc_attn_fn"], p["hc_attn_scale"],
-                                         p["hc_attn_base"], **hc)
-    xa = rms_norm(mhc.hc_pre(X, pre_mix), p["attn_norm"]["weight"], cfg.norm_eps)
-    y, ls, bus = attention(p["attn"], xa, role, cfg, ch, ls, bus,
-                           skip_kv_update=skip_kv_update, record=record)
-    X = mhc.hc_post(y, X, a_post, a_comb)
-    f_pre, f_post, f_comb = mhc.hc_mixes(X, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"],
-                                         **hc)
-    xf = rms_norm(mhc.hc_pre(X, a_pre), p["ffn_norm"]["weight"], cfg.norm_eps)
-    B, S, D = xf.shape
-    im = None if image_mask is None else image_mask.reshape(B * S)
-    y2, eidx, ew = moe(xf.reshape(B * S, D), p["ffn"], cfg, im, impl=ch.moe_impl,
-                       mesh=ch.mesh)
-    y2 = y2.reshape(B, S, D)
-    X = mhc.hc_post(y2, X, f_post, f_comb)
+    if layer_id is not None and bus.features is not None:
+        bus = dspark.capture_features(bus, X, layer_id, cfg.dspark_target_layer_ids)
+
+    def attn_fn(xa):
+        y, ls2, bus2 = attention(p["attn"], xa, role, cfg, ch, ls, bus,
+                                 skip_kv_update=skip_kv_update, record=record)
+        return y, (ls2, bus2)
+
+    def ffn_fn(xf):
+        B, S, D = xf.shape
+        im = None if image_mask is None else image_mask.reshape(B * S)
+        y2, eidx, ew = moe(xf.reshape(B * S, D), p["ffn"], cfg, im, impl=ch.moe_impl,
+                           mesh=ch.mesh)
+        return y2.reshape(B, S, D), (eidx, ew)
+
+    X, f_pre, (y, (ls, bus)), (y2, (eidx, ew)) = mhc.block_wiring(
+        p, X, pre_mix, attn_fn, ffn_fn, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters,
+        hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
     if record is not None:
         record.update(attn_out=y, ffn_out=y2, block_out=X, block_pre_mix=f_pre,
                       moe_topk_idx=eidx, moe_topk_weight=ew)
@@ -309,17 +327,21 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
     skip = g.head == skip_kv_layer
     if head_role.owns_index:
         width = _topk_width(cfg, ext_src if ext_src is not None else state.sources[g.head])
-        bus = Bus(topk=jnp.full((*ch.valid.shape, width), -1, jnp.int32),
-                  candidates=bus.candidates)
+        bus = dataclasses.replace(bus, topk=jnp.full((*ch.valid.shape, width), -1, jnp.int32))
 
-    def layer(p, X, pre_mix, role, ls, bus):
+    # DSpark target layers inside this group: their ids are traced in the scans
+    capture = (bus.features is not None
+               and any(L in cfg.dspark_target_layer_ids for u in g.units for L in u))
+    unit_ids = jnp.asarray(np.array(g.units, np.int32))
+
+    def layer(p, X, pre_mix, role, ls, bus, layer_id):
         rec = {} if collect else None
-        layer_id = role.layer
         X, pre_mix, ls, bus = block(
             p, X, pre_mix, role, cfg, ch, ls, bus,
-            engram_ids=extras["engram_ids"].get(layer_id) if role.engram else None,
+            engram_ids=extras["engram_ids"].get(role.layer) if role.engram else None,
             token_mask=extras["token_mask"], image_mask=extras["image_mask"],
-            skip_kv_update=skip and role.owns_kv, record=rec)
+            skip_kv_update=skip and role.owns_kv, record=rec,
+            layer_id=layer_id if capture else None)
         return X, pre_mix, ls, bus, rec
 
     scanned_p, pinned_p = zip(*[_pin_stacked(rp) for rp in runs_p])
@@ -334,7 +356,8 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
                 ls = st.LayerState(window=jax.tree.map(lambda a: a[0], w_runs[r]), source=src,
                                    stale_index=stale[0], stale_index_scale=stale[1])
                 p = _unpin(jax.tree.map(lambda a: a[0], p_runs[r]), pinned_p[r], u)
-                X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus)
+                X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus,
+                                                 unit_ids[u, start])
                 if role.owns_kv:
                     src = ls.source
                 new_w.append(jax.tree.map(lambda a: a[None], ls.window))
@@ -345,7 +368,8 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
                     p, w, j = xs2
                     ls = st.LayerState(window=w, source=src)
                     p = _unpin(p, pinned_p[r], u * length + j)
-                    X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus)
+                    X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus,
+                                                     unit_ids[u, start + j])
                     return (X, pre_mix, bus), (ls.window, rec)
                 (X, pre_mix, bus), (w, rec) = jax.lax.scan(
                     inner, (X, pre_mix, bus),
@@ -449,14 +473,15 @@ def _check_moe_impl(moe_impl: str) -> str:
 
 def make_chunk(cfg: ModelConfig, *, positions, valid, p0, n, win_lo, decode: bool, compat,
                attn_impl: str = "xla", win_width: int = 0, index_impl: str = "xla",
-               select_impl: str = "xla", moe_impl: str = "auto", mesh=None) -> Chunk:
+               select_impl: str = "xla", moe_impl: str = "auto", mesh=None,
+               journal: bool = False) -> Chunk:
     """The :class:`~dsv41_jax.layers.attention.Chunk` of a forward, with the config's RoPE
     frequency tables."""
     freqs = {"base": rope_frequencies(cfg, "base"), "compress": rope_frequencies(cfg, "compress")}
     return Chunk(positions=positions, valid=valid, p0=p0, n=n, win_lo=win_lo,
                  compat_stale_index_k=compat, freqs=freqs, decode=decode, attn_impl=attn_impl,
                  win_width=win_width, index_impl=index_impl, select_impl=select_impl,
-                 moe_impl=moe_impl, mesh=mesh)
+                 moe_impl=moe_impl, mesh=mesh, journal=journal)
 
 
 def _engram_extras(params, cfg, tokens, positions, n, state, token_mask):
@@ -481,10 +506,38 @@ def _embed(params, cfg, tokens, embeds_override, image_mask):
     return jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
 
 
+def _dspark_bus(cfg: ModelConfig, bus: Bus, n, S: int) -> Bus:
+    """``bus`` with room for the DSpark target features of the last ``min(S, W)`` valid rows
+    of a chunk of ``S`` rows (``n`` valid)."""
+    rows = dspark.feature_rows(n, S, cfg.window_size)
+    T = len(cfg.dspark_target_layer_ids)
+    return dataclasses.replace(
+        bus, features=jnp.zeros((n.shape[0], rows.shape[1], T, cfg.dim), BF16),
+        feature_rows=rows)
+
+
+def _dspark_write(params, cfg: ModelConfig, state: st.InferenceState, bus: Bus, p0, n
+                  ) -> st.InferenceState:
+    """The captured target features (chunk rows ``bus.feature_rows`` of a chunk at ``p0``
+    with ``n`` valid rows) and every stage's window-ring entries of those positions written
+    into the DSpark state (docs/architecture.md, "DSpark draft head")."""
+    B, R = bus.feature_rows.shape
+    feats = bus.features.reshape(B, R, -1)
+    entries = dspark.stage_ring_entries(params["dspark"], feats, p0[:, None] + bus.feature_rows,
+                                        cfg)
+    q0, cnt = p0 + jnp.maximum(n - R, 0), jnp.minimum(n, R)
+    ds = state.dspark
+    ds = ds.replace(features=st.write_ring_values(ds.features, feats, q0, cnt),
+                    windows=tuple(st.write_ring(r, c, sc, q0, cnt)
+                                  for r, (c, sc) in zip(ds.windows, entries)))
+    return state.replace(dspark=ds)
+
+
 def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *,
                 static: Static,
-                mode: str, replay_len: int, all_logits: bool):
-    """One prefill chunk or decode step (S = 1). See :func:`prefill`."""
+                mode: str, replay_len: int, all_logits: bool, journal: bool = False):
+    """One prefill chunk or decode step (S = 1). See :func:`prefill`. ``journal``: the
+    compressor tails also carry the tail after every count of the chunk (:func:`verify`)."""
     cfg = static.cfg
     plan = LayerPlan.from_config(cfg)
     B, S = tokens.shape
@@ -502,7 +555,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     # replay_len is min(W, S) on a fresh prefill, else W: the reference's window-list width
     ch = make_chunk(cfg, positions=positions, valid=valid, p0=p0, n=n,
                     win_lo=jnp.zeros_like(p0), decode=decode, compat=compat,
-                    win_width=0 if decode else replay_len, **kinds)
+                    win_width=0 if decode else replay_len, journal=journal, **kinds)
     records = {} if static.collect else None
     X = _embed(params, cfg, tokens, embeds_override, image_mask)
     pre_mix = mhc.identity_pre_mix((B, S), cfg.hc_mult)
@@ -512,6 +565,19 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
     enc_groups = [k for k, g in enumerate(plan.groups) if g.head < dec]
     dec_groups = [k for k, g in enumerate(plan.groups) if g.head >= dec]
 
+    # DSpark target features (docs/architecture.md, "DSpark draft head"): captured on the
+    # bus of the chunk that runs the target layers (the bounded replay in CED prefill)
+    targets = cfg.dspark_target_layer_ids if state.dspark is not None else ()
+    if targets and "dspark" not in params:
+        raise ValueError("the state has DSpark state (the config has DSpark on) but params "
+                         "carry no DSpark head: load a checkpoint that ships mtp.*")
+    replay = has_decoder and mode == "ced" and not decode
+    in_replay = replay and bool(targets) and all(t >= dec for t in targets)
+    if replay and not in_replay and any(t >= dec for t in targets):
+        raise ValueError(f"dspark_target_layer_ids {targets} lie on both sides of the CED "
+                         f"split (decoder from layer {dec})")
+    if targets and not in_replay:
+        bus = _dspark_bus(cfg, bus, n, S)
     X, pre_mix, state, bus = _run_blocks(params, cfg, plan, enc_groups, X, pre_mix, ch, state,
                                          bus, extras, records)
     if has_decoder:
@@ -523,7 +589,7 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
             pre_mix=st.write_ring_values(ring.pre_mix, pre_mix, p0, n)))
 
     out = {}
-    if has_decoder and mode == "ced" and not decode:
+    if replay:
         # Decoder global KV for every position, from the encoder output
         # (docs/architecture.md, "CED prefill and bounded replay").
         role = plan[dec]
@@ -551,8 +617,12 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
                             jnp.concatenate([jnp.zeros((B, W), bool), image_mask], 1),
                             jnp.where(rpos >= p0[:, None], W + rpos - p0[:, None], 0), axis=1))
         bus_r = Bus(topk=jnp.full((B, replay_len, 1), -1, jnp.int32))
-        Xr, pmr, state, _ = _run_blocks(params, cfg, plan, dec_groups, Xr, pmr, ch_r, state,
-                                        bus_r, extras_r, records, skip_kv_layer=dec)
+        if in_replay:
+            bus_r = _dspark_bus(cfg, bus_r, R, replay_len)
+        Xr, pmr, state, bus_r = _run_blocks(params, cfg, plan, dec_groups, Xr, pmr, ch_r, state,
+                                            bus_r, extras_r, records, skip_kv_layer=dec)
+        if in_replay:
+            state = _dspark_write(params, cfg, state, bus_r, start, R)
         out["logits"] = _logits_at(params, cfg, Xr, pmr, jnp.clip(R - 1, 0, replay_len - 1))
         if all_logits:
             out["replay_logits"] = head_logits(params, cfg, Xr, pmr)[1]
@@ -563,6 +633,8 @@ def _chunk_impl(params, tokens, n, state, embeds_override, image_mask, compat, *
         if all_logits:
             hid, lg = head_logits(params, cfg, X, pre_mix)
             out["all_logits"], out["final_hidden"] = lg, hid
+    if targets and not in_replay:
+        state = _dspark_write(params, cfg, state, bus, p0, n)
     state = state.replace(pos=p0 + n)
     return StepOutput(records=records, **out), state
 
@@ -833,3 +905,239 @@ def decode_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k
         return out.logits, state
 
     return step
+
+
+# ----------------------------------------------------------------------------- DSpark
+
+
+def _draft_impl(params, state, t_next, key, *, cfg: ModelConfig, sampling, moe_impl: str,
+                forced=None):
+    pd = params["dspark"]
+    Y, base = dspark.draft_block(pd, params["embed"]["weight"], params["head"]["weight"],
+                                 state.dspark.windows, t_next, state.pos - 1, cfg, moe_impl)
+    return dspark.markov_draft(pd, Y, base, t_next, sampling, key, forced)
+
+
+_draft_jit = jax.jit(_draft_impl, static_argnames=("cfg", "sampling", "moe_impl"))
+
+
+def draft_fn(cfg: ModelConfig, *, sampling=None, moe_impl: str = "auto"):
+    """A pure, traceable DSpark draft ``draft(params, state, t_next int32 [B], key) -> (ids,
+    logits, confidence)`` as :func:`draft` returns them, for loops that stay on the device (no
+    host checks). Raises ``ValueError`` for a config without DSpark or an unknown
+    ``moe_impl``."""
+    if not cfg.dspark_on:
+        raise ValueError("the config has DSpark off (dspark_block_size 0 or no mtp stage)")
+    sampling = sampling or SamplingParams()
+    moe_impl = _check_moe_impl(moe_impl)
+
+    def fn(params, state, t_next, key=None):
+        return _draft_impl(prepare_params(params, cfg), state, t_next.astype(jnp.int32), key,
+                           cfg=cfg, sampling=sampling, moe_impl=moe_impl)
+    return fn
+
+
+def draft(params, cfg: ModelConfig, state, t_next, *, sampling=None, key=None,
+          forced=None, moe_impl: str = "auto"):
+    """DSpark drafts after the positions the state holds (docs/architecture.md, "DSpark draft
+    head"): the stages over ``[t_next, noise x (bs - 1)]`` at positions ``pos .. pos + bs - 1``
+    (``bs = dspark_block_size``), every draft row attending to its stage's window ring and to
+    all draft rows, then the Markov correction while sampling and the confidence head.
+
+    Args:
+      t_next: int [B], the token the main model produced at the last position (``pos - 1``).
+      sampling: :class:`dsv41_jax.sampling.SamplingParams` of the draft tokens (default
+        greedy); ``key`` a PRNG key when it is not greedy.
+      forced: int [B, bs] (teacher forcing): the Markov embeddings read these tokens instead of
+        the drafted ones (``forced[:, 0]`` is ``t_next``).
+
+    Returns ``(ids int32 [B, bs + 1] = [t_next, drafts...], logits fp32 [B, bs, V] after the
+    Markov bias, confidence fp32 [B, bs] raw logits)``. The state is read, not changed.
+
+    Raises ``ValueError`` for a config or state without DSpark, params without the DSpark
+    head (``mtp.*``), ``t_next`` not [B] or outside the vocabulary, a state with no position
+    yet, ``forced`` not [B, bs], or a missing key for non-greedy sampling.
+    """
+    if not cfg.dspark_on or state.dspark is None:
+        raise ValueError("draft needs a config with DSpark on and a state that has its DSpark "
+                         "state (init_state with that config)")
+    if "dspark" not in params:
+        raise ValueError("params carry no DSpark head: load a checkpoint that ships mtp.*")
+    sampling = sampling or SamplingParams()
+    if not sampling.greedy and key is None:
+        raise ValueError("key: sampling drafts with temperature > 0 needs a PRNG key")
+    B = state.batch
+    t_next = np.asarray(t_next).reshape(-1)
+    if t_next.shape != (B,):
+        raise ValueError(f"t_next must have shape [{B}] (one per row), got {t_next.shape}")
+    _check_tokens(cfg, t_next, "t_next")
+    if (host_positions(state) < 1).any():
+        raise ValueError("draft needs at least one position in every row (prefill first)")
+    bs = cfg.dspark_block_size
+    if forced is not None:
+        forced = np.asarray(forced)
+        if forced.shape != (B, bs):
+            raise ValueError(f"forced must have shape [{B}, {bs}], got {forced.shape}")
+        _check_tokens(cfg, forced, "forced")
+        forced = jnp.asarray(forced, jnp.int32)
+    return _draft_jit(prepare_params(params, cfg), state, jnp.asarray(t_next, jnp.int32), key,
+                      cfg=cfg, sampling=sampling, moe_impl=_check_moe_impl(moe_impl),
+                      forced=forced)
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def greedy_acceptance(logits, tokens):
+    """Acceptance lengths of a verified block at temperature 0: ``1 +`` the number of leading
+    drafts equal to the main model's greedy token at the position before (int32 [B] in
+    ``1 .. S``; ``tokens`` int [B, S] = [last token, drafts...], ``logits`` fp32 [B, S, V])."""
+    match = jnp.argmax(logits[:, :-1], axis=-1).astype(jnp.int32) == tokens[:, 1:]
+    return 1 + jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def _rollback(params, cfg: ModelConfig, old: st.InferenceState, new: st.InferenceState, tokens,
+              a) -> st.InferenceState:
+    """The state after the first ``a[b]`` of the chunk's ``S`` positions (``S <= W``): ``new``
+    (all S written) with everything the later positions wrote put back from ``old``
+    (docs/architecture.md, "Verify and rollback"): their ring slots (every layer, the encoder
+    ring, the DSpark features and stage rings), their global entries (a ratio-2 entry whose
+    pair reaches a rejected position included), the compressor tails (after ``a`` positions,
+    from the chunk's journal), the Engram history and ``pos``."""
+    p0 = old.pos
+    S = tokens.shape[1]
+
+    def ring(o, nw):
+        W = o.shape[1]
+        d = jnp.mod(jnp.arange(W, dtype=jnp.int32)[None, :] - p0[:, None], W)   # chunk row
+        rej = (d >= a[:, None]) & (d < S)
+        return jnp.where(rej.reshape(*rej.shape, *([1] * (o.ndim - 2))), o, nw)
+
+    def rings(o, nw):
+        return jax.tree.map(ring, o, nw)
+
+    sources = {}
+    for i, src in new.sources.items():
+        r = cfg.compress_ratios[i]
+        lo, hi = (p0 + a) // r, (p0 + S) // r
+        ids = lo[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+        keep_old = ids < hi[:, None]
+
+        def restore(o_arr, n_arr):
+            rows = jnp.take_along_axis(
+                o_arr, jnp.clip(ids, 0, o_arr.shape[1] - 1).reshape(
+                    *ids.shape, *([1] * (o_arr.ndim - 2))), axis=1)
+            return st.append_entries(n_arr, rows, ids, keep_old)
+
+        o = old.sources[i]
+        tail = src.tail
+        if tail is not None:
+            pick = jnp.clip(a - 1, 0, S - 1)[:, None, None]
+            tail = st.CompressorTail(
+                kv=jnp.take_along_axis(tail.kv_by_count, pick, 1)[:, 0],
+                score=jnp.take_along_axis(tail.score_by_count, pick, 1)[:, 0])
+        sources[i] = st.KVSource(main=restore(o.main, src.main),
+                                 main_scale=restore(o.main_scale, src.main_scale),
+                                 index=restore(o.index, src.index),
+                                 index_scale=restore(o.index_scale, src.index_scale), tail=tail)
+    hist = old.engram_history
+    if hist is not None:
+        hist = engram_layer.engram_update_history(hist, params["engram_token_map"][tokens], a)
+    return new.replace(
+        pos=p0 + a, windows=rings(old.windows, new.windows), sources=sources,
+        engram_history=hist,
+        enc_ring=None if new.enc_ring is None else rings(old.enc_ring, new.enc_ring),
+        dspark=None if new.dspark is None else rings(old.dspark, new.dspark))
+
+
+def _verify_impl(params, tokens, state, accept, compat, *, static: Static, max_accept=None):
+    B, S = tokens.shape
+    out, new = _chunk_impl(params, tokens, jnp.full((B,), S, jnp.int32), state, None, None,
+                           compat, static=static, mode="exact",
+                           replay_len=static.cfg.window_size, all_logits=True, journal=True)
+    a = greedy_acceptance(out.all_logits, tokens) if accept is None else accept
+    if max_accept is not None:
+        a = jnp.clip(jnp.minimum(a, max_accept), 1, S)
+    return out.all_logits, a, _rollback(params, static.cfg, state, new, tokens, a)
+
+
+_verify_jit = jax.jit(_verify_impl, static_argnames=("static",), donate_argnames=("state",))
+
+
+def verify_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
+              moe_impl: str = "auto"):
+    """A pure, traceable :func:`verify` ``fn(params, state, tokens int32 [B, k + 1], accept
+    int32 [B] or None, max_accept int32 [B] or None) -> (logits, accept, state)`` for loops
+    that stay on the device (no host checks); ``max_accept`` caps the acceptance (e.g. 1 for
+    rows that are done). Raises ``ValueError`` for an unknown ``attn_impl`` or ``moe_impl``."""
+    static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl),
+                    moe_impl=_check_moe_impl(moe_impl))
+    compat = jnp.asarray(compat_stale_index_k)
+
+    def fn(params, state, tokens, accept=None, max_accept=None):
+        return _verify_impl(prepare_params(params, cfg), tokens.astype(jnp.int32), state,
+                            accept, compat, static=static, max_accept=max_accept)
+    return fn
+
+
+def max_drafts(cfg: ModelConfig) -> int:
+    """The most drafts :func:`verify` takes: ``dspark_block_size`` (DSpark on), else
+    ``window_size - 1``; never more than ``window_size - 1`` (the k + 1 positions of one call
+    must fall on distinct ring slots)."""
+    w = cfg.window_size - 1
+    return min(cfg.dspark_block_size, w) if cfg.dspark_on else w
+
+
+def verify(params, cfg: ModelConfig, state, tokens, accept=None, *,
+           compat_stale_index_k: bool = False, attn_impl: str = "auto", moe_impl: str = "auto"):
+    """The main model over ``k + 1`` positions per row in one call (the last accepted token
+    and ``k`` drafts), committing only an accepted prefix (docs/architecture.md, "Verify and
+    rollback").
+
+    Args:
+      tokens: int [B, k + 1], ``1 <= k <= max_drafts(cfg)``; position ``pos + s`` gets
+        ``tokens[:, s]``.
+      accept: int [B] in ``1 .. k + 1``, the positions to commit per row; ``None``: the greedy
+        rule (:func:`greedy_acceptance`) on this call's logits, on the device.
+      compat_stale_index_k, attn_impl, moe_impl: as in :func:`prefill`.
+
+    Returns ``(logits fp32 [B, k + 1, V], accept int32 [B], state)``: the logits of every
+    position, and the state (donated) as if only the first ``accept[b]`` tokens of each row
+    had run: nothing a rejected position wrote survives (window rings of every layer and of
+    the DSpark stages, global entries, compressor tails, Engram history, DSpark features,
+    ``pos``), and no unverified row is ever in a returned state.
+
+    Raises ``ValueError`` (the state untouched) for tokens not [B, k + 1] with the state's
+    batch, ``k`` of 0 or above :func:`max_drafts`, a token outside the vocabulary, a verify
+    past the state's capacity (``pos + k + 1``), ``accept`` not [B] or outside ``1 .. k + 1``.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, k + 1], got shape {tokens.shape}")
+    B, S = tokens.shape
+    if B != state.batch:
+        raise ValueError(f"tokens has batch {B} but the state holds {state.batch} rows")
+    k, kmax = S - 1, max_drafts(cfg)
+    if not 1 <= k <= kmax:
+        raise ValueError(f"tokens holds k = {k} drafts per row; verify takes 1 <= k <= "
+                         f"{kmax} (the draft block size, and k + 1 <= window_size)")
+    _check_tokens(cfg, tokens)
+    _check_capacity(cfg, state, np.full((B,), S, np.int32))
+    if accept is not None:
+        accept = np.asarray(accept)
+        if accept.shape != (B,) or not np.issubdtype(accept.dtype, np.integer):
+            raise ValueError(f"accept must be an int array of shape [{B}], got {accept.dtype} "
+                             f"{accept.shape}")
+        if (accept < 1).any() or (accept > S).any():
+            raise ValueError(f"accept must be in [1, {S}] (k + 1 = {S}), got "
+                             f"{accept.tolist()}")
+    static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl),
+                    moe_impl=_check_moe_impl(moe_impl))
+    params = prepare_params(params, cfg)
+    pos = host_positions(state)
+    logits, a, state = _verify_jit(params, jnp.asarray(tokens, jnp.int32), state,
+                                   None if accept is None else jnp.asarray(accept, jnp.int32),
+                                   jnp.asarray(compat_stale_index_k), static=static)
+    if accept is not None:
+        state = _with_host_positions(state, pos + accept)
+    return logits, a, state

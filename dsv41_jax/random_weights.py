@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from dsv41_jax import checkpoint
-from dsv41_jax.checkpoint import expected_tensors
+from dsv41_jax.checkpoint import expected_dspark_tensors, expected_tensors
 from dsv41_jax.config import ModelConfig
 
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -50,7 +50,7 @@ def _fp4_rows(w: np.ndarray):
 def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Every tensor :func:`expected_tensors` lists, filled with seeded random values."""
     rng = np.random.default_rng(seed)
-    exp = expected_tensors(cfg)
+    exp = {**expected_tensors(cfg), **expected_dspark_tensors(cfg)}
     out: dict[str, np.ndarray] = {}
     done = set()
     for name, (shape, dtypes) in exp.items():
@@ -90,7 +90,8 @@ def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
             v = np.abs(1.0 + 0.25 * rng.standard_normal(shape))
         elif name.endswith("gate.bias"):
             v = 0.1 * rng.standard_normal(shape)
-        elif name in ("embed.weight",) or name.endswith(("q_weight", "k_weight")):
+        elif name in ("embed.weight",) or name.endswith(("q_weight", "k_weight",
+                                                         "markov_head.embed.weight")):
             v = rng.standard_normal(shape)
         else:  # plain linear weights [out, in] (head, gate, indexer, compressor)
             v = rng.standard_normal(shape) / np.sqrt(shape[-1])
@@ -184,7 +185,8 @@ def _plain_init(name: str, shape: tuple) -> tuple[float, float, bool]:
         return 1.0, 0.25, True
     if name.endswith("gate.bias"):
         return 0.0, 0.1, False
-    if name in ("embed.weight",) or name.endswith(("q_weight", "k_weight")):
+    if name in ("embed.weight",) or name.endswith(("q_weight", "k_weight",
+                                                   "markov_head.embed.weight")):
         return 0.0, 1.0, False
     return 0.0, float(1.0 / np.sqrt(shape[-1])), False
 
@@ -209,7 +211,7 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
     from dsv41_jax.config import LayerPlan
 
     gens = _device_gens()
-    exp = expected_tensors(cfg)
+    exp = {**expected_tensors(cfg), **expected_dspark_tensors(cfg)}
     plan = LayerPlan.from_config(cfg)
     root = jax.random.key(seed)
     counter = iter(range(1 << 30))
@@ -218,7 +220,6 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
         return jax.random.fold_in(root, next(counter))
 
     flat: dict = {}
-    E = cfg.n_routed_experts
     for name, (shape, dtypes) in exp.items():
         base = name.rsplit(".", 1)[0]
         if name.endswith(".scale") and f"{base}.weight" in exp:
@@ -229,7 +230,8 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
                 continue                                    # all experts made with expert 0
             w = parts[5]
             gain = 0.5 if w == "w2" else 1.0
-            stacked = f"layers.{parts[1]}.ffn.experts.{w}"
+            stacked = f"{parts[0]}.{parts[1]}.ffn.experts.{w}"
+            E = cfg.n_routed_experts if parts[0] == "layers" else cfg.dspark_experts[0]
             if dtypes == ("uint8",):                        # packed FP4 [o, i/2]
                 o, i = shape[0], shape[1] * 2
                 flat[f"{stacked}.weight"], flat[f"{stacked}.scale"] = gens["fp4_rows"](
@@ -275,6 +277,17 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
                      "shared_experts": ffn["shared_experts"]}
         layers.append(lp)
     params["layers"] = layers
+    if cfg.dspark_on:
+        mtp, n = tree["mtp"], cfg.n_mtp_layers
+        last = mtp[n - 1]
+        heads = ("main_proj", "main_norm", "norm", "markov_head", "confidence_head")
+        params["dspark"] = {
+            "stages": [{k: v for k, v in mtp[k].items() if k not in heads} for k in range(n)],
+            "main_proj": mtp[0]["main_proj"], "main_norm": mtp[0]["main_norm"],
+            "norm": last["norm"], "markov_embed": last["markov_head"]["embed"],
+            "markov_head": {"weight": last["markov_head"]["head"]["weight"].astype(jnp.float32)},
+            "confidence": {"weight": last["confidence_head"]["proj"]["weight"].astype(
+                jnp.float32)}}
     if cfg.engram_layer_ids:
         params.update(checkpoint.engram_params(cfg, tokenizer_map))
     return params

@@ -16,6 +16,8 @@
 * ``enc_ring``: an :class:`EncoderRing`, the last W encoder outputs (``x`` bf16 [B, W, C, D],
   ``pre_mix`` fp32 [B, W, C], slot = position mod W) for bounded replay; ``None`` without a CED
   decoder.
+* ``dspark``: a :class:`DSparkState` (target features and stage window rings of the last W
+  positions) when the config has the DSpark draft head on, else ``None``.
 
 Each layer receives only its slices (:class:`LayerState`: its window ring, the KV source it
 reads, the compressor tail it advances) and returns the ones it updates. Access to the buffers
@@ -61,6 +63,10 @@ class CompressorTail:
 
     kv: Any         # fp32 [B, K]
     score: Any      # fp32 [B, K]
+    # verify only, inside one call (never in a returned state): the tail after each count
+    # c = 1..S of the chunk's positions, fp32 [B, S, K] (dsv41_jax.model.verify)
+    kv_by_count: Optional[Any] = None
+    score_by_count: Optional[Any] = None
 
 
 @_pytree
@@ -88,6 +94,21 @@ class EncoderRing:
 
 
 @_pytree
+class DSparkState:
+    """What the DSpark draft head keeps between calls (docs/architecture.md, "DSpark draft
+    head"): the target features of the last W positions (``features`` bf16 [B, W, T*D], the
+    stream means of the target layers' inputs concatenated in layer order, slot = position
+    mod W) and one window ring per stage, holding the stage's window KV of the projected
+    features (``windows``, slot = position mod W)."""
+
+    features: Any       # bf16 [B, W, T*D]
+    windows: tuple      # tuple[WindowRing, ...], one per stage
+
+    def replace(self, **kw) -> "DSparkState":
+        return dataclasses.replace(self, **kw)
+
+
+@_pytree
 class InferenceState:
     """Everything a sequence batch carries between calls (see the module docstring)."""
 
@@ -96,6 +117,7 @@ class InferenceState:
     sources: dict           # dict[int, KVSource], keyed by the KV source layer
     engram_history: Optional[Any] = None   # int32 [B, max_ngram - 1]
     enc_ring: Optional[EncoderRing] = None
+    dspark: Optional[DSparkState] = None
 
     def replace(self, **kw) -> "InferenceState":
         return dataclasses.replace(self, **kw)
@@ -156,8 +178,15 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int) -> InferenceState:
     enc = (EncoderRing(x=jnp.zeros((batch, W, cfg.hc_mult, cfg.dim), BF16),
                        pre_mix=jnp.zeros((batch, W, cfg.hc_mult), F32))
            if plan.decoder_start < cfg.n_layers else None)
+    ds = None
+    if cfg.dspark_on:
+        T = len(cfg.dspark_target_layer_ids)
+        ds = DSparkState(features=jnp.zeros((batch, W, T * cfg.dim), BF16),
+                         windows=tuple(WindowRing(kv=jnp.zeros((batch, W, K), quant.E4M3),
+                                                  scale=jnp.zeros((batch, W, K // 32), jnp.uint8))
+                                       for _ in range(cfg.n_mtp_layers)))
     return InferenceState(pos=jnp.zeros((batch,), jnp.int32), windows=windows, sources=sources,
-                          engram_history=hist, enc_ring=enc)
+                          engram_history=hist, enc_ring=enc, dspark=ds)
 
 
 def capacity_of(state: InferenceState, cfg: ModelConfig) -> int:

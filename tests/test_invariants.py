@@ -118,8 +118,8 @@ def test_ced_equals_exact_within_window(model, n):
 @pytest.mark.parametrize("n", [9, 13, 19])
 def test_ced_vs_exact_beyond_window(model, n):
     """N > window: the decoder replays only the last ``window`` positions, so the decoder's
-    window rings and the logits are an approximation (measured here and printed). Everything the
-    encoder writes (its window rings, the ratio-2 main KV / indexer K and compressor tails, the
+    window rings, the DSpark state they feed and the logits are an approximation (measured here
+    and printed). Everything the encoder writes (its window rings, the ratio-2 main KV / indexer K and compressor tails, the
     encoder output ring) and the decoder's global KV (projected from the encoder output over
     every position) must still be bitwise equal between the modes, and ``pos`` must agree.
     """
@@ -131,6 +131,10 @@ def test_ced_vs_exact_beyond_window(model, n):
     le, se = _run(params, cfg, seq, [n], "exact")
     hc, he = _host(sc), _host(se)
     dec_rings = {f".windows[{i}]." for i in range(dec, cfg.n_layers)}
+    # the DSpark features are inputs of decoder layers (9-11) and its stage rings come from
+    # them: decoder-side state, replayed like the decoder rings
+    assert min(cfg.dspark_target_layer_ids) >= dec
+    dec_rings.add(".dspark.")
 
     def is_dec_ring(path):
         return any(path.startswith(r) for r in dec_rings)

@@ -34,7 +34,7 @@ from pallas_kernels.sparse_attention import sparse_attention as sparse_attention
     jax.tree_util.register_dataclass,
     data_fields=["positions", "valid", "p0", "n", "win_lo", "compat_stale_index_k", "freqs"],
     meta_fields=["decode", "attn_impl", "win_width", "index_impl", "select_impl", "moe_impl",
-                 "mesh"])
+                 "mesh", "journal"])
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Chunk:
     """Positions of one forward over a chunk (arrays per batch row) and the static choices of
@@ -55,18 +55,25 @@ class Chunk:
     select_impl: str = "xla"       # indexer top-k kernel family (pallas_kernels.impls)
     moe_impl: str = "auto"        # routed experts of a large call (layers.moe.MOE_IMPLS)
     mesh: Any = None               # the device mesh (dsv41_jax.sharding), None on one device
+    journal: bool = False          # compressor tails after every count (verify)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["topk", "candidates"],
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["topk", "candidates", "features", "feature_rows"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Bus:
     """Values a forward passes from layer to layer (docs/architecture.md, "Layer schedule"):
     ``topk`` int32 [B, S, k], the latest index source's selections (-1 = none), and
-    ``candidates`` bool [B, S, T], the candidate pool (``None`` before the candidate source)."""
+    ``candidates`` bool [B, S, T], the candidate pool (``None`` before the candidate source).
+    With DSpark on: ``features`` bf16 [B, R, T, D], the stream means of the target layers'
+    inputs at the chunk rows ``feature_rows`` int32 [B, R] (docs/architecture.md, "DSpark
+    draft head"); else ``None``."""
 
     topk: Any
     candidates: Any = None
+    features: Any = None
+    feature_rows: Any = None
 
 
 # ----------------------------------------------------------------------------- sparse attention
@@ -125,7 +132,8 @@ def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk,
     (docs/architecture.md, "KV sources"). ``x`` bf16 [B, S, D], the attention input."""
     r = role.ratio
     lat, ids, valid, new_tail = compressor.compress(x, p["compressor"], r, ch.p0, ch.n,
-                                                    src.tail if r > 1 else None, cfg.norm_eps)
+                                                    src.tail if r > 1 else None, cfg.norm_eps,
+                                                    journal=ch.journal)
     cos, sin = rope_angles(ids * r, ch.freqs[role.rope])
     # indexer keys come from the un-rotated, un-quantised latent
     # (docs/architecture.md, "KV sources")
@@ -141,6 +149,33 @@ def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk,
         index=st.append_entries(src.index, ik_packed, ids, valid),
         index_scale=st.append_entries(src.index_scale, ik_scale, ids, valid),
         tail=new_tail if r > 1 else src.tail)
+
+
+def queries(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin):
+    """Query path (docs/architecture.md, "Queries"): ``(qr bf16 [B, S, q_lora], q bf16
+    [B, S, H, K])``, ``q`` RoPE'd with the angles ``cos``/``sin`` [B, S, R/2]."""
+    B, S, _ = x.shape
+    qr = rms_norm(linear(x, p["wq_a"]), p["q_norm"]["weight"], cfg.norm_eps)
+    q = linear(qr, p["wq_b"]).reshape(B, S, cfg.n_heads, cfg.head_dim)
+    return qr, apply_rope(q, cos[:, :, None], sin[:, :, None])
+
+
+def window_kv(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin):
+    """Window KV of the rows ``x`` (docs/architecture.md, "Window KV"): RMSNorm, RoPE, FP8
+    quantisation per 32 channels. Returns ``(codes e4m3 [B, S, K], scale E8M0 uint8
+    [B, S, K/32])``."""
+    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"]["weight"], cfg.norm_eps)
+    return quant.fp8_quantize(apply_rope(kv, cos, sin), 32)
+
+
+def output_projection(p: dict, o: Float[Array, "B S H K"], cfg: ModelConfig, cos, sin
+                      ) -> Float[Array, "B S D"]:
+    """Attention output (docs/architecture.md, "Output projection"): inverse RoPE at the
+    query positions, grouped ``wo_a``, ``wo_b``. bf16 [B, S, D]."""
+    B, S = o.shape[:2]
+    o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+    u = grouped_linear(o.reshape(B, S, cfg.o_groups, -1), p["wo_a"])
+    return linear(u.reshape(B, S, -1), p["wo_b"])
 
 
 def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConfig, ch: Chunk,
@@ -163,14 +198,8 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     B, S, _ = x.shape
     H, K, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     cos, sin = rope_angles(ch.positions, ch.freqs[role.rope])
-    # query path (docs/architecture.md, "Queries")
-    qr = rms_norm(linear(x, p["wq_a"]), p["q_norm"]["weight"], cfg.norm_eps)
-    q = linear(qr, p["wq_b"]).reshape(B, S, H, K)
-    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    # window KV (docs/architecture.md, "Window KV"): RMSNorm, RoPE, FP8 QDQ
-    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"]["weight"], cfg.norm_eps)
-    kv = apply_rope(kv, cos, sin)
-    kv_codes, kv_scale = quant.fp8_quantize(kv, 32)
+    qr, q = queries(p, x, cfg, cos, sin)
+    kv_codes, kv_scale = window_kv(p, x, cfg, cos, sin)
     kv = quant.fp8_dequantize(kv_codes, kv_scale, 32, BF16)
     ring = ls.window
     widx, wok = window_list(ch, W)
@@ -205,11 +234,7 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
             None if src is None else src.main, None if src is None else src.main_scale,
             None if src is None else jnp.where(qv, topk, -1),
             p["attn_sink"].astype(F32), scale=K ** -0.5, impl=ch.attn_impl)
-    # output (docs/architecture.md, "Output projection"): inverse RoPE, grouped wo_a, wo_b
-    o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
-    G = cfg.o_groups
-    u = grouped_linear(o.reshape(B, S, G, -1), p["wo_a"])
-    out = linear(u.reshape(B, S, -1), p["wo_b"])
+    out = output_projection(p, o, cfg, cos, sin)
     ls = ls.replace(window=st.write_ring(ring, kv_codes, kv_scale, ch.p0, ch.n))
     return out, ls, bus
 

@@ -18,7 +18,7 @@ from dsv41_jax.dtypes import BF16, F32
 
 
 def compress(x: Float[Array, "B S D"], p: dict, ratio: int, p0: Int[Array, "B"], n: Int[Array, "B"],
-             tail: CompressorTail | None, eps: float):
+             tail: CompressorTail | None, eps: float, journal: bool = False):
     """Latents completed by this chunk.
 
     Args:
@@ -29,6 +29,9 @@ def compress(x: Float[Array, "B S D"], p: dict, ratio: int, p0: Int[Array, "B"],
 
     Returns ``(latent bf16 [B, G, K], entry_ids int32 [B, G], valid bool [B, G], new_tail)``:
     entry ``j`` stands for tokens ``j*ratio ..`` and is rotated at position ``j*ratio``.
+    ``journal`` (ratio 2): the new tail also carries the tail after each count ``c = 1..S`` of
+    the chunk's positions (``kv_by_count`` / ``score_by_count`` [B, S, K]), from which
+    :func:`dsv41_jax.model.verify` commits a shorter prefix.
     """
     B, S, _ = x.shape
     if ratio == 1:
@@ -63,4 +66,12 @@ def compress(x: Float[Array, "B S D"], p: dict, ratio: int, p0: Int[Array, "B"],
     new_tail = CompressorTail(
         kv=jnp.where(odd[:, None], jnp.take_along_axis(ext_kv, last, 1)[:, 0], tail.kv),
         score=jnp.where(odd[:, None], jnp.take_along_axis(ext_sc, last, 1)[:, 0], tail.score))
+    if journal:
+        # after c positions the tail is the newest unpaired one: row c if p0 + c is odd, else
+        # row c - 1 (row 0: the tail before the chunk)
+        c = jnp.arange(1, S + 1, dtype=jnp.int32)[None, :]
+        src = jnp.where(jnp.mod(p0[:, None] + c, 2) == 1, c, c - 1)[:, :, None]
+        new_tail = CompressorTail(kv=new_tail.kv, score=new_tail.score,
+                                  kv_by_count=jnp.take_along_axis(ext_kv, src, 1),
+                                  score_by_count=jnp.take_along_axis(ext_sc, src, 1))
     return lat, ids, valid, new_tail

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
+from dsv41_jax.layers.linear import rms_norm
 
 
 def sinkhorn_split(mixes: Float[Array, "... M"], scale: Float[Array, "3"], base: Float[Array, "M"],
@@ -78,3 +79,24 @@ def hc_post(y: Float[Array, "B S D"], res: Float[Array, "B S C D"], post: Float[
 def identity_pre_mix(batch_shape: tuple, hc: int) -> Float[Array, "... C"]:
     """One-hot on stream 0 (the first block's ``pre_mix``)."""
     return jnp.zeros((*batch_shape, hc), F32).at[..., 0].set(1.0)
+
+
+def block_wiring(p: dict, X: Float[Array, "B S C D"], pre_mix: Float[Array, "B S C"], attn_fn,
+                 ffn_fn, *, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """One block's single-pass mHC wiring around its two sublayers (docs/architecture.md,
+    "mHC: hyper-connections"), shared by the backbone blocks and the DSpark stages.
+
+    ``attn_fn(x bf16 [B, S, D]) -> (y bf16 [B, S, D], aux)`` gets ``attn_norm(hc_pre(X,
+    pre_mix))``; ``ffn_fn(x) -> (y, aux)`` gets ``ffn_norm(hc_pre(X, a_pre))`` with the
+    attention head's ``pre``. Returns ``(X, f_pre, (y_attn, aux_attn), (y_ffn, aux_ffn))``;
+    ``f_pre`` (the FFN head's ``pre``) collapses the next block's attention input.
+    """
+    kw = dict(hc=hc, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    a_pre, a_post, a_comb = hc_mixes(X, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"],
+                                     **kw)
+    y, a_aux = attn_fn(rms_norm(hc_pre(X, pre_mix), p["attn_norm"]["weight"], norm_eps))
+    X = hc_post(y, X, a_post, a_comb)
+    f_pre, f_post, f_comb = hc_mixes(X, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], **kw)
+    y2, f_aux = ffn_fn(rms_norm(hc_pre(X, a_pre), p["ffn_norm"]["weight"], norm_eps))
+    X = hc_post(y2, X, f_post, f_comb)
+    return X, f_pre, (y, a_aux), (y2, f_aux)
