@@ -238,6 +238,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _linear_entries(out: dict, name: str, o: int, i: int, quantized: bool) -> None:
+    """A linear ``[o, i]``'s entries in ``out``: FP8 weight and E8M0 scales per 32 x 32 block
+    (``quantized``), else a bf16 weight."""
+    if quantized:
+        out[f"{name}.weight"] = ((o, i), ("float8_e4m3fn",))
+        out[f"{name}.scale"] = ((_cdiv(o, 32), _cdiv(i, 32)), ("uint8",))
+    else:
+        out[f"{name}.weight"] = ((o, i), ("bfloat16",))
+
+
 def _block_tensors(out: dict, cfg, p: str, E: int) -> None:
     """The tensors every block holds (attention without indexer / compressor, mHC heads, MoE
     with ``E`` routed experts) under the prefix ``p``, added to ``out``."""
@@ -248,11 +258,7 @@ def _block_tensors(out: dict, cfg, p: str, E: int) -> None:
     bf16, f32, f8, e8, i8 = ("bfloat16",), ("float32",), ("float8_e4m3fn",), ("uint8",), ("uint8",)
 
     def lin(name, o, i, quantized=fp8):
-        if quantized:
-            out[f"{name}.weight"] = ((o, i), f8)
-            out[f"{name}.scale"] = ((_cdiv(o, 32), _cdiv(i, 32)), e8)
-        else:
-            out[f"{name}.weight"] = ((o, i), bf16)
+        _linear_entries(out, name, o, i, quantized)
 
     out[f"{p}.attn.attn_sink"] = ((H,), f32)
     lin(f"{p}.attn.wq_a", Q, D)
@@ -331,11 +337,7 @@ def expected_tensors(cfg) -> dict[str, tuple[tuple, tuple]]:
     out: dict = {}
 
     def lin(name, o, i, quantized=fp8):
-        if quantized:
-            out[f"{name}.weight"] = ((o, i), f8)
-            out[f"{name}.scale"] = ((_cdiv(o, 32), _cdiv(i, 32)), e8)
-        else:
-            out[f"{name}.weight"] = ((o, i), bf16)
+        _linear_entries(out, name, o, i, quantized)
 
     out["embed.weight"] = ((cfg.vocab_size, D), bf16)
     out["norm.weight"] = ((D,), bf16)

@@ -112,6 +112,17 @@ _loop_jit = jax.jit(_loop, static_argnames=("cfg", "sampling", "max_new_tokens",
                     donate_argnames=("state",))
 
 
+def _checked_eos(eos_ids, cfg) -> list[int]:
+    """``eos_ids`` as a list; ``ValueError`` naming the first that is not a token id."""
+    eos = list(eos_ids)
+    for e in eos:
+        if isinstance(e, bool) or not isinstance(e, (int, np.integer)) \
+                or not 0 <= e < cfg.vocab_size:
+            raise ValueError(f"eos_ids: {e!r} is not a token id in [0, vocab_size="
+                             f"{cfg.vocab_size})")
+    return eos
+
+
 def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), eos_ids=(), seed: int = 0,
              attn_impl: str = "auto", batch_invariant: bool = False,
@@ -193,12 +204,7 @@ def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
         raise ValueError(f"max_new_tokens={max_new_tokens}: row {b} holds {int(pos[b])} tokens "
                          f"and the state's capacity is {cap}, so at most {cap - int(pos[b])} "
                          f"new tokens fit")
-    eos = list(eos_ids)
-    for e in eos:
-        if isinstance(e, bool) or not isinstance(e, (int, np.integer)) \
-                or not 0 <= e < cfg.vocab_size:
-            raise ValueError(f"eos_ids: {e!r} is not a token id in [0, vocab_size="
-                             f"{cfg.vocab_size})")
+    eos = _checked_eos(eos_ids, cfg)
     # raises ValueError for an unknown attn_impl or a bad mesh
     model.decode_fn(cfg, attn_impl=attn_impl, mesh=mesh)
     if mesh is not None:
@@ -368,12 +374,7 @@ def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tok
         raise ValueError(f"max_new_tokens={max_new_tokens} with {k} drafts: row {b} holds "
                          f"{int(pos[b])} tokens and the state's capacity is {cap}, so at most "
                          f"{cap - int(pos[b]) - k} new tokens fit")
-    eos = list(eos_ids)
-    for e in eos:
-        if isinstance(e, bool) or not isinstance(e, (int, np.integer)) \
-                or not 0 <= e < cfg.vocab_size:
-            raise ValueError(f"eos_ids: {e!r} is not a token id in [0, vocab_size="
-                             f"{cfg.vocab_size})")
+    eos = _checked_eos(eos_ids, cfg)
     model.verify_fn(cfg, attn_impl=attn_impl)   # raises ValueError for an unknown attn_impl
     eos_arr = np.full((max(8, -(-len(eos) // 8) * 8),), -1, np.int32)
     eos_arr[:len(eos)] = eos

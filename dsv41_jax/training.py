@@ -54,11 +54,11 @@ from flax import nnx
 from dsv41_jax import quant, random_weights, sharding
 from dsv41_jax.checkpoint import expected_tensors, params_from_tensors
 from dsv41_jax.config import LayerPlan, LayerRole, ModelConfig
-from dsv41_jax.dtypes import F32, HIGHEST
+from dsv41_jax.dtypes import F32
 from dsv41_jax.layers import engram as engram_layer
 from dsv41_jax.layers import indexer, mhc
 from dsv41_jax.layers.linear import dequant_weight, rms_norm
-from dsv41_jax.layers.moe import _softplus
+from dsv41_jax.layers.moe import gate_scores
 from dsv41_jax.layers.rope import apply_rope, rope_angles, rope_frequencies
 
 NEG_INF = -jnp.inf
@@ -401,14 +401,7 @@ def _moe(p, bias, x, cfg: ModelConfig):
     routed experts densely over the expert axis."""
     N = x.shape[0]
     E, k = cfg.n_routed_experts, cfg.n_activated_experts
-    logits = jnp.einsum("nd,ed->ne", x, p["gate"]["weight"], precision=HIGHEST,
-                        preferred_element_type=F32) / cfg.gate_temp
-    if cfg.score_func == "sqrtsoftplus":
-        s = jnp.sqrt(_softplus(logits))
-    elif cfg.score_func == "softmax":
-        s = jax.nn.softmax(logits, axis=-1)
-    else:
-        s = jax.nn.sigmoid(logits)
+    s = gate_scores(x, p["gate"]["weight"], cfg)
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(s) + bias[None, :], k)
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and k > 1:

@@ -26,6 +26,20 @@ def _softplus(z):
     return jnp.where(z > 20.0, z, jnp.log1p(jnp.exp(jnp.minimum(z, 20.0))))
 
 
+def gate_scores(x: Float[Array, "N D"], weight: Float[Array, "E D"], cfg: ModelConfig
+                ) -> Float[Array, "N E"]:
+    """The router's scores (fp32): ``f32(x) @ f32(weight)^T / gate_temp`` through
+    ``cfg.score_func`` (``sqrt(softplus)``, softmax or sigmoid). See docs/architecture.md,
+    "Mixture of experts"."""
+    logits = jnp.einsum("nd,ed->ne", x.astype(F32), weight.astype(F32), precision=HIGHEST,
+                        preferred_element_type=F32) / cfg.gate_temp
+    if cfg.score_func == "sqrtsoftplus":
+        return jnp.sqrt(_softplus(logits))
+    if cfg.score_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    return jax.nn.sigmoid(logits)
+
+
 def gate(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
          n_active: int) -> tuple[Int[Array, "N k"], Float[Array, "N k"]]:
     """Router: top-k expert ids (``lax.top_k`` order: descending biased score) and weights.
@@ -35,14 +49,7 @@ def gate(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arr
     renormalised with +1e-20 and multiplied by ``route_scale``. See docs/architecture.md,
     "Mixture of experts".
     """
-    logits = jnp.einsum("nd,ed->ne", x.astype(F32), p["weight"].astype(F32), precision=HIGHEST,
-                        preferred_element_type=F32) / cfg.gate_temp
-    if cfg.score_func == "sqrtsoftplus":
-        s = jnp.sqrt(_softplus(logits))
-    elif cfg.score_func == "softmax":
-        s = jax.nn.softmax(logits, axis=-1)
-    else:
-        s = jax.nn.sigmoid(logits)
+    s = gate_scores(x, p["weight"], cfg)
     bias = p["bias"][None, :]
     if image_mask is not None and "bias_vl" in p:
         bias = jnp.where(image_mask[:, None], p["bias_vl"][None, :], bias)
