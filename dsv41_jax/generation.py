@@ -19,13 +19,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from dsv41_jax import model, sharding
 from dsv41_jax import state as st
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.dtypes import F32
-from dsv41_jax.sampling import SamplingParams, sample
+from dsv41_jax.sampling import SamplingParams, probabilities, sample, speculative_accept
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -263,48 +263,97 @@ def bucket_length(n: int, buckets) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "lengths", "state", "calls", "accepted"],
+                   data_fields=["tokens", "lengths", "state", "calls", "accepted", "row_calls",
+                                "drafted"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SpeculativeResult:
     """What :func:`generate_speculative` returns: ``tokens``, ``lengths`` and ``state`` as in
-    :class:`GenerationResult`, ``calls`` int32 [] (main-model calls: verify steps) and
+    :class:`GenerationResult`; ``calls`` int32 [] (main-model calls: verify steps);
     ``accepted`` int32 [B] (positions committed per row by the verify steps while the row was
-    live: the acceptance length per call is ``accepted / calls``)."""
+    live: its accepted drafts plus one per call); ``row_calls`` int32 [B] (verify steps while
+    the row was live); ``drafted`` int32 [B] (drafts verified while the row was live). Per row,
+    the mean accepted drafts per verify (the acceptance length) is ``(accepted - row_calls) /
+    row_calls``, the positions per main-model call ``accepted / row_calls``."""
 
     tokens: Any
     lengths: Any
     state: Any
     calls: Any
     accepted: Any
+    row_calls: Any
+    drafted: Any
 
 
-def _spec_loop(params, state, logits, eos, *, cfg: ModelConfig, max_new_tokens: int, k: int,
-               attn_impl: str, draft=None) -> SpeculativeResult:
-    """Greedy speculative generation as one traceable function (see
-    :func:`generate_speculative`)."""
-    draft = draft or model.draft_fn(cfg)
+def draft_count(confidence: Float[Array, "B K"], threshold: float, kmax: int
+                ) -> Int[Array, "B"]:
+    """The number of drafts to verify per row, chosen from the DSpark confidence head
+    (docs/architecture.md, "Speculative generation"): the leading draft positions whose
+    ``sigmoid(confidence)`` is at least ``threshold``, counted up to the first one below it,
+    clipped to ``1 .. kmax`` (int32 [B]; ``confidence`` fp32 [B, >= kmax], raw logits)."""
+    ok = jax.nn.sigmoid(confidence[:, :kmax].astype(F32)) >= jnp.float32(threshold)
+    n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    return jnp.clip(n, 1, kmax).astype(jnp.int32)
+
+
+def _spec_loop(params, state, logits, eos, key, *, cfg: ModelConfig, sampling: SamplingParams,
+               max_new_tokens: int, k: int, auto: bool, threshold: float, attn_impl: str,
+               draft=None) -> SpeculativeResult:
+    """Speculative generation as one traceable function (see :func:`generate_speculative`)."""
+    draft = draft or model.draft_fn(cfg, sampling=sampling)
     verify = model.verify_fn(cfg, attn_impl=attn_impl)
     params = model.prepare_params(params, cfg)
     B, N = logits.shape[0], max_new_tokens
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    key, sub = jax.random.split(key)
+    first = sample(logits, sub, sampling)
     tokens = jnp.full((B, N), -1, jnp.int32).at[:, 0].set(first)
     done = (first[:, None] == eos[None, :]).any(axis=1) | (N <= 1)
     lengths = jnp.ones((B,), jnp.int32)
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    zeros = jnp.zeros((B,), jnp.int32)
 
     def cond(c):
         return ~c[3].all()
 
     def body(c):
-        state, tokens, lengths, done, last, calls, accepted = c
-        block = draft(params, state, last)[0][:, :k + 1]
-        lg, a, state = verify(params, state, block, None,
-                              jnp.where(done, 1, k + 1).astype(jnp.int32))
-        bonus = jnp.argmax(jnp.take_along_axis(lg, (a - 1)[:, None, None], axis=1)[:, 0],
-                           axis=-1).astype(jnp.int32)
-        # emitted: the accepted drafts, then the main model's token after them
-        emit = jnp.where(j == (a - 1)[:, None], bonus[:, None],
+        state, tokens, lengths, done, last, calls, accepted, row_calls, drafted, key = c
+        key, k_draft, k_acc = jax.random.split(key, 3)
+        out = draft(params, state, last, k_draft)
+        block = out[0][:, :k + 1].astype(jnp.int32)
+        q = None
+        if not sampling.greedy and len(out) > 1 and out[1] is not None:
+            q = probabilities(out[1][:, :k], sampling)   # what the drafts were drawn from
+        if auto:
+            if len(out) < 3 or out[2] is None:
+                raise ValueError("drafts='auto' needs a draft that returns the confidence "
+                                 "logits (ids, logits, confidence)")
+            count = draft_count(out[2], threshold, k)
+        else:
+            count = jnp.full((B,), k, jnp.int32)
+        count = jnp.where(done, 0, count)
+
+        def verify_width(w):
+            """Verify ``w`` drafts per row (``w + 1`` positions)."""
+            def run(state):
+                blk, cnt = block[:, :w + 1], jnp.minimum(count, w)
+                qw = None if q is None else q[:, :w]
+
+                def rule(lg):
+                    return speculative_accept(lg, blk[:, 1:], qw, cnt, k_acc, sampling)[0] + 1
+
+                lg, _, state = verify(params, state, blk, rule)
+                n, tok = speculative_accept(lg, blk[:, 1:], qw, cnt, k_acc, sampling)
+                return n, tok, state
+            return run
+
+        if auto and k > 1:   # the narrowest verify that holds every live row's drafts
+            n, tok, state = jax.lax.switch(jnp.maximum(jnp.max(count), 1) - 1,
+                                           [verify_width(w) for w in range(1, k + 1)], state)
+        else:
+            n, tok, state = verify_width(k)(state)
+        a = n + 1
+        # emitted: the accepted drafts, then the token after them
+        emit = jnp.where(j == n[:, None], tok[:, None],
                          jnp.concatenate([block[:, 1:], block[:, :1]], axis=1))
         is_eos = (emit[..., None] == eos[None, None, :]).any(-1) & (j < a[:, None])
         first_eos = jnp.min(jnp.where(is_eos, j, k + 1), axis=1)
@@ -315,57 +364,86 @@ def _spec_loop(params, state, logits, eos, *, cfg: ModelConfig, max_new_tokens: 
         tokens = tokens.at[jnp.arange(B)[:, None], idx].set(emit, mode="drop")
         new_len = lengths + jnp.where(live, n_emit, 0)
         done = done | (live & ((first_eos < a) | (new_len >= N)))
-        return (state, tokens, new_len, done, jnp.where(live, bonus, last), calls + 1,
-                accepted + jnp.where(live, a, 0))
+        return (state, tokens, new_len, done, jnp.where(live, tok, last), calls + 1,
+                accepted + jnp.where(live, a, 0), row_calls + live.astype(jnp.int32),
+                drafted + count, key)
 
-    c = (state, tokens, lengths, done, first, jnp.zeros((), jnp.int32),
-         jnp.zeros((B,), jnp.int32))
-    state, tokens, lengths, done, last, calls, accepted = jax.lax.while_loop(cond, body, c)
+    c = (state, tokens, lengths, done, first, jnp.zeros((), jnp.int32), zeros, zeros, zeros,
+         key)
+    state, tokens, lengths, done, last, calls, accepted, row_calls, drafted, key = \
+        jax.lax.while_loop(cond, body, c)
     return SpeculativeResult(tokens=tokens, lengths=lengths, state=state, calls=calls,
-                             accepted=accepted)
+                             accepted=accepted, row_calls=row_calls, drafted=drafted)
 
 
 _spec_jit = jax.jit(_spec_loop,
-                    static_argnames=("cfg", "max_new_tokens", "k", "attn_impl", "draft"),
+                    static_argnames=("cfg", "sampling", "max_new_tokens", "k", "auto",
+                                     "threshold", "attn_impl", "draft"),
                     donate_argnames=("state",))
 
 
 def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
-                         drafts: int | None = None, eos_ids=(), attn_impl: str = "auto",
-                         draft=None) -> SpeculativeResult:
-    """Greedy generation with DSpark speculation, on the device (docs/architecture.md, "Verify
-    and rollback"): each loop iteration drafts ``drafts`` tokens after each row's latest token
-    (:func:`dsv41_jax.model.draft`), verifies them in one main-model call
-    (:func:`dsv41_jax.model.verify`, greedy acceptance) and emits the accepted drafts and the
-    main model's token after them, so the tokens are those of greedy :func:`generate` (up to
-    the summation order of a ``k + 1``-row call against a one-row decode step).
+                         drafts: int | str | None = None, sampling: SamplingParams = SamplingParams(),
+                         eos_ids=(), seed: int = 0, confidence_threshold: float = 0.5,
+                         attn_impl: str = "auto", draft=None) -> SpeculativeResult:
+    """Generation with DSpark speculation, on the device (docs/architecture.md, "Speculative
+    generation"): each loop iteration drafts tokens after each row's latest token
+    (:func:`dsv41_jax.model.draft`, sampled with ``sampling``), verifies them in one
+    main-model call (:func:`dsv41_jax.model.verify`) and emits the accepted drafts and the
+    main model's token after them.
 
-    Args: as :func:`generate` (greedy only); ``drafts``: draft tokens per call, 1 ..
-    :func:`dsv41_jax.model.max_drafts` (default: the most). A row that is done keeps
-    committing one position per call. Needs room for ``pos + max_new_tokens + drafts`` tokens.
-    ``draft``: a traceable ``(params, state, last int32 [B]) -> (ids int32 [B, >= drafts + 1],
-    ...)`` in place of DSpark (:func:`dsv41_jax.model.draft_fn`), e.g. an oracle for an upper
-    bound or a test; ``ids[:, 0]`` must be ``last``.
+    Greedy (``sampling.greedy``): a draft is accepted when it is the main model's argmax, so
+    the tokens are those of greedy :func:`generate` (up to the summation order of a ``k +
+    1``-row call against a one-row decode step). Sampled: rejection sampling against the
+    draft's distribution after the Markov correction
+    (:func:`dsv41_jax.sampling.speculative_accept`), so every emitted token follows the main
+    model's distribution under ``sampling`` (temperature, top-k, top-p), as in
+    :func:`generate`; the random bits differ from :func:`generate`'s, so the tokens do too.
+
+    Args: as :func:`generate`, and
+      drafts: draft tokens per call, an int in 1 .. :func:`dsv41_jax.model.max_drafts` (None:
+        the most), or ``"auto"``: per row and call, :func:`draft_count` of the confidence head
+        with ``confidence_threshold`` (in [0, 1]), at most the most; the verify then runs the
+        narrowest of the ``max_drafts`` compiled widths that holds every live row's count.
+      draft: a traceable ``(params, state, last int32 [B], key) -> (ids int32 [B, >= k + 1],
+        [logits fp32 [B, >= k, V], [confidence fp32 [B, >= k]]])`` in place of DSpark
+        (:func:`dsv41_jax.model.draft_fn`), e.g. an oracle for an upper bound or a test;
+        ``ids[:, 0]`` must be ``last``. With logits the drafts must be drawn from
+        ``probabilities(logits, sampling)``; without, they count as deterministic.
+
+    A row that is done keeps committing one position per call. Needs room for ``pos +
+    max_new_tokens + k`` tokens (``k``: the most drafts).
 
     Returns :class:`SpeculativeResult`; its state holds, per row, every emitted token but the
     last (a row's last emitted token is the next input), plus one position per call after the
-    row was done. Raises ``ValueError`` (nothing runs) for a config, state or params without
-    DSpark, ``drafts`` out of range, or what :func:`generate` refuses.
+    row was done. Raises ``ValueError`` (nothing runs; the state untouched) for a config,
+    state or params without DSpark, ``drafts`` out of range, a ``confidence_threshold``
+    outside [0, 1], or what :func:`generate` refuses.
     """
     if draft is None and (not cfg.dspark_on or state.dspark is None or "dspark" not in params):
         raise ValueError("speculative generation needs DSpark: a config with it on, its state "
                          "and params with the draft head (mtp.*)")
     kmax = model.max_drafts(cfg)
-    k = kmax if drafts is None else drafts
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= kmax:
-        raise ValueError(f"drafts must be an integer in [1, {kmax}], got {drafts!r}")
+    auto = isinstance(drafts, str) and drafts == "auto"
+    k = kmax if drafts is None or auto else drafts
+    if isinstance(k, (bool, str)) or not isinstance(k, (int, np.integer)) \
+            or not 1 <= k <= kmax:
+        raise ValueError(f"drafts must be an integer in [1, {kmax}] or 'auto', got {drafts!r}")
+    t = confidence_threshold
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:
+        raise ValueError(f"confidence_threshold must be a number in [0, 1], got {t!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     pos = model.host_positions(state)
     B = pos.shape[0]
     if tuple(np.shape(logits)) != (B, cfg.vocab_size):
-        raise ValueError(f"logits must have shape [B, V] = {[B, cfg.vocab_size]}, got "
+        raise ValueError(f"logits must have shape [B, V] = {[B, cfg.vocab_size]} (the state "
+                         f"holds {B} rows, vocab_size {cfg.vocab_size}), got "
                          f"{list(np.shape(logits))}")
     cap = st.capacity_of(state, cfg)
     over = pos + max_new_tokens + k > cap
@@ -379,5 +457,6 @@ def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tok
     eos_arr = np.full((max(8, -(-len(eos) // 8) * 8),), -1, np.int32)
     eos_arr[:len(eos)] = eos
     return _spec_jit(model.prepare_params(params, cfg), state, jnp.asarray(logits, F32),
-                     jnp.asarray(eos_arr), cfg=cfg, max_new_tokens=int(max_new_tokens),
-                     k=int(k), attn_impl=attn_impl, draft=draft)
+                     jnp.asarray(eos_arr), jax.random.key(int(seed)), cfg=cfg,
+                     sampling=sampling, max_new_tokens=int(max_new_tokens), k=int(k),
+                     auto=auto, threshold=float(t), attn_impl=attn_impl, draft=draft)

@@ -1055,7 +1055,12 @@ def _verify_impl(params, tokens, state, accept, compat, *, static: Static, max_a
     out, new = _chunk_impl(params, tokens, jnp.full((B,), S, jnp.int32), state, None, None,
                            compat, static=static, mode="exact",
                            replay_len=static.cfg.window_size, all_logits=True, journal=True)
-    a = greedy_acceptance(out.all_logits, tokens) if accept is None else accept
+    if accept is None:
+        a = greedy_acceptance(out.all_logits, tokens)
+    elif callable(accept):
+        a = accept(out.all_logits).astype(jnp.int32)
+    else:
+        a = accept
     if max_accept is not None:
         a = jnp.clip(jnp.minimum(a, max_accept), 1, S)
     return out.all_logits, a, _rollback(params, static.cfg, state, new, tokens, a)
@@ -1069,7 +1074,10 @@ def verify_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k
     """A pure, traceable :func:`verify` ``fn(params, state, tokens int32 [B, k + 1], accept
     int32 [B] or None, max_accept int32 [B] or None) -> (logits, accept, state)`` for loops
     that stay on the device (no host checks); ``max_accept`` caps the acceptance (e.g. 1 for
-    rows that are done). Raises ``ValueError`` for an unknown ``attn_impl`` or ``moe_impl``."""
+    rows that are done). ``accept`` may also be a traceable rule ``(logits fp32 [B, k + 1, V])
+    -> int32 [B]`` in ``1 .. k + 1``, applied to this call's logits before the rollback (the
+    sampled acceptance of :func:`dsv41_jax.generation.generate_speculative`). Raises
+    ``ValueError`` for an unknown ``attn_impl`` or ``moe_impl``."""
     static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl),
                     moe_impl=_check_moe_impl(moe_impl))
     compat = jnp.asarray(compat_stale_index_k)

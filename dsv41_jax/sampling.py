@@ -99,3 +99,83 @@ def sample(logits: Float[Array, "B V"], key: jax.Array | None,
         vals = jnp.where(before < jnp.float32(params.top_p), vals, -jnp.inf)
     choice = jax.random.categorical(key, vals, axis=-1)
     return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def probabilities(logits: Float[Array, "*B V"], params: SamplingParams = SamplingParams()
+                  ) -> Float[Array, "*B V"]:
+    """The distribution :func:`sample` draws from, fp32 ``[..., V]`` (any leading dims):
+    ``softmax`` of ``logits / temperature`` over the tokens the top-k and top-p filters keep,
+    exactly 0 elsewhere; greedy: one-hot at the ``argmax`` (the lowest index among ties)."""
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V).astype(F32)
+    if params.greedy:
+        out = jax.nn.one_hot(jnp.argmax(flat, axis=-1), V, dtype=F32)
+        return out.reshape(logits.shape)
+    x = flat / jnp.float32(params.temperature)
+    k = params.top_k if 0 < params.top_k < V else V
+    if k == V and params.top_p == 1.0:
+        return jax.nn.softmax(x, axis=-1).reshape(logits.shape)
+    vals, idx = _sorted_desc(x, k)
+    if params.top_p < 1.0:
+        probs = jax.nn.softmax(vals, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        vals = jnp.where(before < jnp.float32(params.top_p), vals, -jnp.inf)
+    kept = jax.nn.softmax(vals, axis=-1)
+    rows = jnp.arange(flat.shape[0])[:, None]
+    out = jnp.zeros_like(x).at[rows, idx].set(kept)
+    return out.reshape(logits.shape)
+
+
+def speculative_accept(logits: Float[Array, "B S V"], drafts: Int[Array, "B K"],
+                       draft_probs: Float[Array, "B K V"] | None, count: Int[Array, "B"],
+                       key: jax.Array, params: SamplingParams = SamplingParams()
+                       ) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+    """Speculative sampling (rejection sampling against the draft distribution;
+    docs/architecture.md, "Speculative generation"): which drafts a row accepts and the token
+    after them, so that the emitted tokens follow :func:`probabilities` of the main model's
+    logits exactly, whatever the drafts.
+
+    Args:
+      logits: fp32 [B, S, V], the main model's logits at the verified positions: position i
+        predicts the token after ``[last, drafts[:, :i]]``; ``S >= K + 1``.
+      drafts: int [B, K], the drafted tokens.
+      draft_probs: fp32 [B, K, V], the distribution each draft was drawn from (``q_i``, given
+        the drafts before it), or None for drafts that are deterministic (``q_i`` one-hot).
+      count: int [B] in 0 .. K, the drafts considered per row (the rest are ignored).
+      key: PRNG key (unused when ``params.greedy``).
+      params: the sampling of the main model (:class:`SamplingParams`), ``p_i =
+        probabilities(logits[:, i], params)``.
+
+    Rule: draft i (in order, i < count) is accepted with probability ``min(1, p_i(x) /
+    q_i(x))``; at the first rejection the token is drawn from ``normalize(max(p_i - q_i,
+    0))`` (``p_i`` where that is all 0 in floating point); when all ``count`` drafts are
+    accepted it is drawn from ``p_count``. Greedy: a draft is accepted when it equals the
+    argmax and the token is the argmax after the accepted drafts.
+
+    Returns ``(accepted int32 [B] in 0 .. count, token int32 [B])``.
+    """
+    B, K = drafts.shape
+    drafts = drafts.astype(jnp.int32)
+    count = count.astype(jnp.int32)
+    p = probabilities(logits[:, :K + 1], params)                          # [B, K + 1, V]
+    p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]   # [B, K]
+    if draft_probs is None:
+        q = jax.nn.one_hot(drafts, p.shape[-1], dtype=F32)
+        q_d = jnp.ones((B, K), F32)
+    else:
+        q = draft_probs.astype(F32)
+        q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    k_u, k_tok = jax.random.split(key)
+    u = jax.random.uniform(k_u, (B, K), F32)                               # [0, 1)
+    ok = (u * q_d < p_d) if not params.greedy else (p_d > 0.5)
+    ok = ok & (jnp.arange(K)[None, :] < count[:, None])
+    n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]           # [B, V]
+    if params.greedy:
+        return n, jnp.argmax(p_n, axis=-1).astype(jnp.int32)
+    q_n = jnp.take_along_axis(q, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(p_n - q_n, 0.0)
+    rejected = n < count
+    use = jnp.where((rejected & (resid.sum(-1) > 0))[:, None], resid, p_n)
+    tok = jax.random.categorical(k_tok, jnp.log(use), axis=-1).astype(jnp.int32)
+    return n, tok

@@ -315,7 +315,7 @@ def test_speculative_greedy_generation_equals_plain(setup):
     corrupt = (jnp.arange(N + 8)[None, :] + jnp.arange(2)[:, None]) % 4 == 3
     table = jnp.where(corrupt, (table + 1) % cfg.vocab_size, table)
 
-    def oracle(params, state, last):
+    def oracle(params, state, last, key):
         # token i of the continuation is the input at position n0 + i
         at = state.pos - n0 + 1
         ids = jnp.take_along_axis(table, at[:, None] + jnp.arange(5)[None, :], axis=1)
