@@ -1,0 +1,180 @@
+"""Sampled speculative generation keeps the model's distribution (docs/architecture.md,
+"Speculative generation"): the acceptance rule (:func:`dsv41_jax.sampling.speculative_accept`)
+on a synthetic Markov model where every probability is known, over many PRNG keys; then
+:func:`dsv41_jax.generation.generate_speculative` on the tiny-a-bf16 weights (DSpark drafts)
+against the exact distribution of the first two tokens and against plain sampling; the
+draft-count rule of the confidence head; the refusals.
+
+The statistical bounds are chi-square statistics against the exact distribution, allowed
+``df + 6 sqrt(2 df)`` (six standard deviations of the statistic); a wrong acceptance rule
+(every draft accepted) lands orders of magnitude above (checked by hand when the test was
+written: ``_accept_all`` below stands in for the rule)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import generation as gen, model, state as st
+from dsv41_jax.sampling import SamplingParams, probabilities, sample, speculative_accept
+from tree_checks import assert_trees_bitwise_equal
+
+V = 5          # synthetic vocabulary
+K = 2          # drafts per round
+ROUNDS = 3     # rounds per sample: at least 3 tokens
+SAMPLES = 10000
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic of ``counts`` against ``probs`` (the outcomes of probability 0
+    must not occur) and its degrees of freedom."""
+    n = counts.sum()
+    assert counts[probs == 0].sum() == 0, "an outcome of probability 0 occurred"
+    live = probs > 0
+    exp = n * probs[live]
+    return float(((counts[live] - exp) ** 2 / exp).sum()), int(live.sum()) - 1
+
+
+def _bound(df: int) -> float:
+    return df + 6 * np.sqrt(2 * df)
+
+
+def _tables(seed=0):
+    """A Markov model of the main model (``A[prev]``: logits of the next token) and a draft
+    (``Bq[prev]``) that is close enough to accept often and far enough to matter."""
+    rng = np.random.default_rng(seed)
+    A = rng.normal(0, 1.5, (V, V)).astype(np.float32)
+    Bq = (A + rng.normal(0, 1.5, (V, V))).astype(np.float32)
+    return jnp.asarray(A), jnp.asarray(Bq)
+
+
+def _simulate(key, A, Bq, sampling, deterministic, accept=speculative_accept):
+    """``ROUNDS`` rounds of speculative sampling from token 0; returns the first 3 emitted
+    tokens. Each round drafts ``count`` (1 or 2, from the key: chosen before the drafts) tokens
+    from the draft model (or the deterministic draft ``prev + 1``), runs ``accept`` on the
+    main model's logits at the round's positions, emits the accepted drafts and the token
+    after them."""
+    buf = jnp.zeros((ROUNDS * (K + 1),), jnp.int32)
+    length = jnp.zeros((), jnp.int32)
+    last = jnp.zeros((1,), jnp.int32)
+    for r in range(ROUNDS):
+        key, k_count, k_draft, k_acc = jax.random.split(key, 4)
+        count = jax.random.randint(k_count, (1,), 1, K + 1)
+        drafts, qs, prev = [], [], last
+        dkeys = jax.random.split(k_draft, K)
+        for i in range(K):
+            if deterministic:
+                d = (prev + 1) % V
+            else:
+                qs.append(probabilities(Bq[prev], sampling))
+                d = sample(Bq[prev], dkeys[i], sampling)
+            drafts.append(d)
+            prev = d
+        drafts = jnp.stack(drafts, 1)                                       # [1, K]
+        ctx = jnp.concatenate([last[:, None], drafts], 1)                   # [1, K + 1]
+        logits = A[ctx]                                                     # [1, K + 1, V]
+        q = None if deterministic else jnp.stack(qs, 1)
+        n, tok = accept(logits, drafts, q, count, k_acc, sampling)
+        emit = jnp.where(jnp.arange(K + 1) == n[0], tok[0], jnp.concatenate([drafts[0], tok]))
+        j = jnp.arange(K + 1)
+        idx = jnp.where(j <= n[0], length + j, buf.shape[0])
+        buf = buf.at[idx].set(emit, mode="drop")
+        length = length + n[0] + 1
+        last = tok
+    return buf[:3]
+
+
+def _accept_all(logits, drafts, draft_probs, count, key, sampling):
+    """A wrong rule, for the check that the test can fail: every draft accepted."""
+    n, tok = speculative_accept(logits, drafts, draft_probs, jnp.zeros_like(count), key,
+                                sampling)
+    p = probabilities(logits, sampling)
+    tok = jax.random.categorical(key, jnp.log(jnp.take_along_axis(
+        p, count[:, None, None], axis=1)[:, 0]), axis=-1).astype(jnp.int32)
+    return count, tok
+
+
+def _exact_three(A, sampling) -> np.ndarray:
+    P = np.asarray(probabilities(A, sampling), np.float64)                  # [prev, next]
+    out = np.zeros((V, V, V))
+    for a, b, c in itertools.product(range(V), repeat=3):
+        out[a, b, c] = P[0, a] * P[a, b] * P[b, c]
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("sampling, deterministic", [
+    (SamplingParams(1.0), False),
+    (SamplingParams(0.7, top_k=3, top_p=0.9), False),
+    (SamplingParams(1.0, top_k=4), True),
+])
+def test_acceptance_rule_keeps_the_distribution(sampling, deterministic):
+    """The first 3 tokens of ``SAMPLES`` runs (each token may come from an accepted draft, a
+    residual draw after a rejection or the token after all drafts): their joint distribution
+    is the main model's (chi-square over the ``V^3`` outcomes); the drafts are accepted often
+    enough to matter; the rule that accepts every draft fails the same bound."""
+    A, Bq = _tables()
+    keys = jax.random.split(jax.random.key(1), SAMPLES)
+    exact = _exact_three(A, sampling)
+
+    def counts_of(accept):
+        toks = np.asarray(jax.jit(jax.vmap(
+            lambda k: _simulate(k, A, Bq, sampling, deterministic, accept)))(keys))
+        return np.bincount((toks[:, 0] * V + toks[:, 1]) * V + toks[:, 2], minlength=V ** 3)
+
+    chi2, df = _chi2(counts_of(speculative_accept), exact)
+    wrong = counts_of(_accept_all)
+    wrong_chi2 = np.inf if wrong[exact == 0].any() else _chi2(wrong, exact)[0]
+    print(f"chi2 {chi2:.1f} df {df} bound {_bound(df):.1f} accept-all {wrong_chi2:.1f}")
+    assert chi2 < _bound(df), f"chi2 {chi2:.1f} over {df} degrees of freedom"
+    assert wrong_chi2 > 10 * _bound(df), f"accept-all chi2 {wrong_chi2:.1f}"
+
+
+def test_acceptance_rule_details():
+    """Main model ``p = [.7, .3, 0], [.2, .8, 0], [0, 0, 1]`` at the three positions, draft
+    ``q = [.5, .5, 0], [0, 1, 0]``: a draft with ``p >= q`` is always accepted, one outside
+    ``p``'s support never, the token after a rejection comes from ``max(p - q, 0)`` (here
+    always token 0), ``count`` caps the drafts considered (the token after them from
+    ``p_count``); greedy accepts the argmax prefix; a draft with ``p < q`` is accepted with
+    probability ``p / q``."""
+    lg = jnp.log(jnp.asarray([[[0.7, 0.3, 0.0], [0.2, 0.8, 0.0], [0.0, 0.0, 1.0]]] * 4,
+                             jnp.float32))                                   # [4, 3, 3]
+    q = jnp.asarray([[[0.5, 0.5, 0.0], [0.0, 1.0, 0.0]]] * 4, jnp.float32)
+    drafts = jnp.asarray([[0, 2], [2, 1], [0, 1], [0, 1]], jnp.int32)
+    count = jnp.asarray([2, 2, 0, 1], jnp.int32)
+    for seed in range(5):
+        n, tok = speculative_accept(lg, drafts, q, count, jax.random.key(seed),
+                                    SamplingParams(1.0))
+        assert np.asarray(n).tolist() == [1, 0, 0, 1]
+        assert np.asarray(tok)[:2].tolist() == [0, 0] and int(tok[2]) in (0, 1) \
+            and int(tok[3]) in (0, 1)
+    g_n, g_tok = speculative_accept(lg, drafts, None, jnp.full((4,), 2, jnp.int32),
+                                    jax.random.key(0), SamplingParams())
+    assert np.asarray(g_n).tolist() == [1, 0, 2, 2]
+    assert np.asarray(g_tok).tolist() == [1, 0, 2, 2]
+    n, tok = jax.vmap(lambda k: speculative_accept(lg[:1], drafts[2:3], q[:1],
+                                                   jnp.ones((1,), jnp.int32), k,
+                                                   SamplingParams(1.0)))(
+        jax.random.split(jax.random.key(3), 4000))
+    n, tok = np.asarray(n)[:, 0], np.asarray(tok)[:, 0]
+    drafts1 = np.asarray(drafts)[3:4]
+    n1, _ = jax.vmap(lambda k: speculative_accept(lg[:1], jnp.asarray([[1, 1]]), q[:1],
+                                                  jnp.ones((1,), jnp.int32), k,
+                                                  SamplingParams(1.0)))(
+        jax.random.split(jax.random.key(4), 4000))
+    assert (n == 1).all() and drafts1.shape == (1, 2)
+    assert abs(np.asarray(n1).mean() - 0.6) < 0.04      # p(1) / q(1) = 0.3 / 0.5
+
+
+def test_draft_count_rule():
+    """The leading positions with sigmoid(confidence) >= threshold, clipped to 1..kmax."""
+    conf = jnp.asarray([[3.0, 2.0, -1.0, 5.0, 5.0], [-3.0, 5.0, 5.0, 5.0, 5.0],
+                        [1.0, 1.0, 1.0, 1.0, 1.0]], jnp.float32)
+    assert np.asarray(gen.draft_count(conf, 0.5, 5)).tolist() == [2, 1, 5]
+    assert np.asarray(gen.draft_count(conf, 0.5, 3)).tolist() == [2, 1, 3]
+    assert np.asarray(gen.draft_count(conf, 0.0, 5)).tolist() == [5, 5, 5]
+    assert np.asarray(gen.draft_count(conf, 1.0, 5)).tolist() == [1, 1, 1]
+    assert np.asarray(gen.draft_count(conf, 0.85, 5)).tolist() == [2, 1, 1]
