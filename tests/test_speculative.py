@@ -178,3 +178,80 @@ def test_draft_count_rule():
     assert np.asarray(gen.draft_count(conf, 0.0, 5)).tolist() == [5, 5, 5]
     assert np.asarray(gen.draft_count(conf, 1.0, 5)).tolist() == [1, 1, 1]
     assert np.asarray(gen.draft_count(conf, 0.85, 5)).tolist() == [2, 1, 1]
+
+
+# ----------------------------------------------------------------------------- generation
+
+CAP = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_a_bf16):
+    cfg, params, _ = tiny_a_bf16
+    assert cfg.dspark_on and cfg.vocab_size == 512
+    return cfg, model.prepare_params(params, cfg)
+
+
+def _tiled(tree, rows):
+    return jax.tree.map(lambda a: jnp.repeat(a, rows, axis=0), tree)
+
+
+def _bins(p: np.ndarray, q: np.ndarray, n_bins: int) -> np.ndarray:
+    """A bin per token: the tokens sorted by ``q / p`` cut into ``n_bins`` groups of about
+    equal mass under ``p`` (a fixed partition that separates ``p`` from ``q`` well)."""
+    order = np.argsort(q / np.maximum(p, 1e-30), kind="stable")
+    cum = np.cumsum(p[order]) - p[order]
+    out = np.empty(p.size, np.int64)
+    out[order] = np.minimum((cum * n_bins).astype(np.int64), n_bins - 1)
+    return out
+
+
+def test_sampled_generation_keeps_the_distribution(tiny):
+    """One prompt on ``V`` rows whose first generated token is fixed, temperature 1 over the
+    whole vocabulary, 2 DSpark drafts per call (untrained: it accepts about half of its drafts
+    here): the second and the third generated tokens (an accepted draft, a draw after a
+    rejection or the token after the drafts; the third after a second token that may be a
+    draft of the Markov chain) each follow the model's exact marginal, as plain sampling from
+    the model's logits does (chi-square over 16 bins of equal probability, cut along the
+    draft's ``q / p`` so that drafts taken as they come would fail). The exact logits come
+    from one prefill of ``[prompt, t1, y]`` for every token ``y`` (row ``y``), with every
+    position's logits."""
+    cfg, params = tiny
+    V = cfg.vocab_size
+    sampling = SamplingParams(1.0)
+    prompt = np.random.default_rng(21).integers(0, V, 5).astype(np.int32)
+
+    def prefill(tokens, n):
+        out, state = model.prefill(params, cfg, tokens, st.init_state(cfg, V, CAP), [n] * V,
+                                   mode="exact", all_logits=True)
+        return out.all_logits, state
+
+    toks = np.zeros((V, 8), np.int32)
+    toks[:, :5] = prompt
+    logits, state = prefill(toks, 5)
+    t1 = int(np.argmax(np.asarray(logits[0, 4])))
+    toks[:, 5], toks[:, 6] = t1, np.arange(V)
+    lg, _ = prefill(toks, 7)
+    p2 = np.asarray(probabilities(lg[0, 5], sampling), np.float64)
+    p3 = p2 @ np.asarray(probabilities(lg[:, 6], sampling), np.float64)
+    _, dl, _ = model.draft(params, cfg, state, np.full((V,), t1, np.int32))
+    q2 = np.asarray(probabilities(dl[0, 0], sampling), np.float64)
+    first = jnp.full((V, V), -1e9, jnp.float32).at[:, t1].set(0.0)
+    spec = gen.generate_speculative(params, cfg, state, first, max_new_tokens=3, drafts=2,
+                                    sampling=sampling, seed=3)
+    t = np.asarray(spec.tokens)
+    assert (t[:, 0] == t1).all() and (np.asarray(spec.lengths) == 3).all()
+    k2, k3 = jax.random.split(jax.random.key(5))
+    plain2 = np.asarray(sample(lg[:, 5], k2, sampling))
+    plain3 = np.asarray(sample(lg[plain2, 6], k3, sampling))
+    for pos, exact, plain in ((1, p2, plain2), (2, p3, plain3)):
+        bins = _bins(exact, q2, 16)
+        mass = np.bincount(bins, weights=exact, minlength=16)
+        for name, toks in (("speculative", t[:, pos]), ("plain", plain)):
+            chi2, df = _chi2(np.bincount(bins[toks], minlength=16), mass)
+            print(f"token {pos + 1} {name}: chi2 {chi2:.1f} df {df}")
+            assert chi2 < _bound(df), f"token {pos + 1} {name}: chi2 {chi2:.1f} over {df}"
+    rate = (np.asarray(spec.accepted) - np.asarray(spec.row_calls)).sum() / \
+        np.asarray(spec.drafted).sum()
+    print(f"drafts accepted: {rate:.2f}")
+    assert 0.2 < rate < 0.8
