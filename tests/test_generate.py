@@ -280,6 +280,68 @@ def test_generate_a_batch_of_chat_prompts_with_a_stop_string(tmp_path, capsys):
     assert rec2["steady"]["same_tokens"] is True
 
 
+SPEC_PROMPT = "The cat sat on the mat, and the dog ran to the park."
+
+
+def _spec_config(tmp_path) -> str:
+    """The tiny config (benchmarks.config) with a DSpark head (one stage, 2 drafts, targets
+    3-5) and the first 16,384 token ids (the prompt's fit), as a JSON file."""
+    from benchmarks.config import tiny_config
+    d = tiny_config("drop")[0].to_dict()
+    d.update(vocab_size=16384, n_mtp_layers=1, dspark_block_size=2,
+             dspark_target_layer_ids=[3, 4, 5], dspark_markov_rank=16,
+             dspark_noise_token_id=16383)
+    p = tmp_path / "spec.json"
+    p.write_text(json.dumps(d))
+    return str(p)
+
+
+def test_generate_speculative_end_to_end(tmp_path, capsys):
+    """--speculative --drafts auto (sampled, --no-eos; the token distribution is tested in
+    tests/test_speculative.py): the report and the JSON carry the verify calls, the acceptance
+    length and the tokens per main-model call, consistent with each other (5 tokens after the
+    first over the calls)."""
+    cfg = _spec_config(tmp_path)
+    b = tmp_path / "b.json"
+    assert generate.main(["--config", cfg, "--prompt", SPEC_PROMPT, "--max-new-tokens", "6",
+                          "--no-eos", "--mode", "exact", "--temperature", "2",
+                          "--speculative", "--drafts", "auto",
+                          "--confidence-threshold", "0.2", "--json", str(b)]) == 0
+    text = capsys.readouterr().out
+    assert "speculative: DSpark drafts per call: auto (confidence >= 0.2, at most 2)" in text
+    assert "main-model calls (verify); acceptance length " in text
+    assert "tokens per main-model call" in text and "nan" not in text
+    spec = json.loads(b.read_text())
+    assert len(spec["rows"][0]["generated"]) == 6
+    assert all(0 <= t < 16384 for t in spec["rows"][0]["generated"])
+    sp = spec["speculative"]
+    assert sp["drafts"] == "auto" and 1 <= sp["verify_calls"] <= 5
+    assert sp["verify_calls"] <= sp["drafts_verified"] <= 2 * sp["verify_calls"]
+    assert sp["tokens_per_call"] * sp["verify_calls"] == pytest.approx(5)
+    assert 0 <= sp["acceptance_length"] <= 2
+    assert sp["acceptance_length"] == pytest.approx(sp["tokens_per_call"] - 1)
+    assert sp["draft_acceptance_rate"] == pytest.approx(
+        sp["acceptance_length"] * sp["verify_calls"] / sp["drafts_verified"])
+
+
+def test_speculative_refusals_naming_the_head(tmp_path, capsys):
+    """--drafts above the block size, --speculative with --mesh, and a checkpoint whose files
+    ship no mtp.* tensor (read from the headers, nothing loaded) are refused (status 2)."""
+    cfg = _spec_config(tmp_path)
+    assert "argument --drafts: at most 2 (the DSpark block size), got 3" in _refused(
+        ["--config", cfg, "--speculative", "--drafts", "3"], capsys)
+    assert "argument --speculative: not with --mesh" in _refused(
+        ["--config", cfg, "--speculative", "--mesh", "data=1"], capsys)
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    (ck / "config.json").write_text(open(cfg).read())
+    from dsv41_jax import checkpoint
+    checkpoint.write_safetensors(ck / "model.safetensors",
+                                 {"embed.weight": np.zeros((2, 2), np.float32)})
+    assert f"argument --speculative: the checkpoint {ck} ships no DSpark draft head (no mtp.* " \
+           "tensor)" in _refused(["--checkpoint", str(ck), "--speculative"], capsys)
+
+
 def test_chunk_plan_and_state_capacity():
     assert generate.chunk_plan([600], 256) == [[256], [256], [88]]
     assert generate.chunk_plan([600, 10], 256) == [[256, 8], [256, 1], [88, 1]]
@@ -339,6 +401,19 @@ def _refused(argv, capsys) -> str:
     (["--mesh", "data=x"], "argument --mesh: the size of 'data' must be an integer >= 1, got 'x'"),
     (["--mesh", "tensor=2,expert=4"], "argument --mesh: mesh (data=1, tensor=2, expert=4) needs "
                                       "8 devices but 1 were given"),
+    (["--drafts", "2"], "argument --drafts: only with --speculative"),
+    (["--confidence-threshold", "0.3"], "argument --confidence-threshold: only with "
+                                        "--speculative"),
+    (["--speculative", "--confidence-threshold", "0.3"],
+     "argument --confidence-threshold: only with --drafts auto"),
+    (["--speculative", "--drafts", "0"], "argument --drafts: must be an integer >= 1 or 'auto', "
+                                         "got 0"),
+    (["--speculative", "--drafts", "many"], "argument --drafts: must be an integer >= 1 or "
+                                            "'auto', got 'many'"),
+    (["--speculative", "--drafts", "auto", "--confidence-threshold", "1.5"],
+     "argument --confidence-threshold: must be a number in [0, 1], got 1.5"),
+    (["--speculative"], "argument --speculative: the config has no DSpark draft head "
+                        "(n_mtp_layers 0, dspark_block_size 0)"),
 ])
 def test_refused_options(argv, match, capsys):
     assert match in _refused(argv, capsys)

@@ -217,6 +217,7 @@ def test_sampled_generation_keeps_the_distribution(tiny):
     from one prefill of ``[prompt, t1, y]`` for every token ``y`` (row ``y``), with every
     position's logits."""
     cfg, params = tiny
+    cfg = cfg.replace(dspark_block_size=2)    # the same head, a block of 2 drafts
     V = cfg.vocab_size
     sampling = SamplingParams(1.0)
     prompt = np.random.default_rng(21).integers(0, V, 5).astype(np.int32)
@@ -234,11 +235,14 @@ def test_sampled_generation_keeps_the_distribution(tiny):
     lg, _ = prefill(toks, 7)
     p2 = np.asarray(probabilities(lg[0, 5], sampling), np.float64)
     p3 = p2 @ np.asarray(probabilities(lg[:, 6], sampling), np.float64)
-    _, dl, _ = model.draft(params, cfg, state, np.full((V,), t1, np.int32))
+    _, dl, conf = model.draft(params, cfg, state, np.full((V,), t1, np.int32))
     q2 = np.asarray(probabilities(dl[0, 0], sampling), np.float64)
+    # the first call verifies 1 draft (its first confidence just misses the threshold), the
+    # second 1 or 2 per row
+    threshold = float(jax.nn.sigmoid(conf[0, 0])) + 1e-4
     first = jnp.full((V, V), -1e9, jnp.float32).at[:, t1].set(0.0)
-    spec = gen.generate_speculative(params, cfg, state, first, max_new_tokens=3, drafts=2,
-                                    sampling=sampling, seed=3)
+    spec = gen.generate_speculative(params, cfg, state, first, max_new_tokens=3, drafts="auto",
+                                    confidence_threshold=threshold, sampling=sampling, seed=3)
     t = np.asarray(spec.tokens)
     assert (t[:, 0] == t1).all() and (np.asarray(spec.lengths) == 3).all()
     k2, k3 = jax.random.split(jax.random.key(5))
@@ -253,5 +257,45 @@ def test_sampled_generation_keeps_the_distribution(tiny):
             assert chi2 < _bound(df), f"token {pos + 1} {name}: chi2 {chi2:.1f} over {df}"
     rate = (np.asarray(spec.accepted) - np.asarray(spec.row_calls)).sum() / \
         np.asarray(spec.drafted).sum()
-    print(f"drafts accepted: {rate:.2f}")
+    drafted, calls = np.asarray(spec.drafted), np.asarray(spec.row_calls)
+    print(f"drafts accepted: {rate:.2f}; calls {np.bincount(calls)}; "
+          f"drafted {np.bincount(drafted)}")
     assert 0.2 < rate < 0.8
+    assert ((calls == 1) & (drafted == 1)).any() and ((calls == 2) & (drafted == 3)).any() \
+        and ((calls == 2) & (drafted == 2)).any()
+
+
+@pytest.mark.annotations_unchecked
+def test_speculative_refusals_leave_the_state_untouched(tiny):
+    """``drafts`` 0, above the block size or not an int / 'auto', a confidence threshold
+    outside [0, 1], logits of another batch or vocabulary, a run past the capacity (counting
+    the drafts), a bad ``sampling`` or ``seed``, a config without DSpark: ``ValueError``
+    naming the argument and the limit, before anything runs; the state is neither changed nor
+    donated."""
+    cfg, params = tiny
+    state = st.init_state(cfg, 2, CAP)
+    before = jax.tree.map(np.asarray, state)
+    logits = jnp.zeros((2, cfg.vocab_size), jnp.float32)
+    bad = [(dict(drafts=0), r"drafts must be an integer in \[1, 5\] or 'auto', got 0"),
+           (dict(drafts=6), r"drafts must be an integer in \[1, 5\] or 'auto', got 6"),
+           (dict(drafts="fast"), r"drafts must be .* got 'fast'"),
+           (dict(drafts=2.0), r"drafts must be .* got 2.0"),
+           (dict(drafts="auto", confidence_threshold=1.5),
+            r"confidence_threshold must be a number in \[0, 1\], got 1.5"),
+           (dict(logits=jnp.zeros((3, cfg.vocab_size))), r"logits must have shape \[B, V\] = "
+                                                        r"\[2, 512\] \(the state holds 2 rows"),
+           (dict(logits=jnp.zeros((2, 7))), r"got \[2, 7\]"),
+           (dict(max_new_tokens=12), "max_new_tokens=12 with 5 drafts: row 0 holds 0 tokens and "
+                                     "the state's capacity is 16, so at most 11 new tokens fit"),
+           (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+           (dict(sampling=1.0), "sampling must be a SamplingParams"),
+           (dict(seed="x"), "seed must be an integer"),
+           (dict(eos_ids=[512]), "eos_ids: 512 is not a token id"),
+           (dict(cfg=cfg.replace(n_mtp_layers=0)), "speculative generation needs DSpark")]
+    for kw, msg in bad:
+        kw = dict(dict(cfg=cfg, logits=logits, max_new_tokens=4), **kw)
+        with pytest.raises(ValueError, match=msg):
+            gen.generate_speculative(params, state=state, **kw)
+    for a in jax.tree.leaves(state):
+        assert not a.is_deleted()
+    assert_trees_bitwise_equal(jax.tree.map(np.asarray, state), before, "state after refusals")

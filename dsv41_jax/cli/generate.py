@@ -9,11 +9,14 @@ format (``config.json`` + ``*.safetensors``).
     dsv41-generate --prompt "The capital of France is" --max-new-tokens 16
     dsv41-generate --chat --prompt "Why is the sky blue?" --temperature 0.6 --top-p 0.95
     dsv41-generate --checkpoint DIR --mesh data=1,tensor=2,expert=4 --converted CONV_DIR
+    dsv41-generate --checkpoint DIR --speculative --drafts auto --temperature 0.6
 
 ``--mesh`` runs on a device mesh (tensor, expert and data parallelism; docs/architecture.md,
 "Sharding"); ``--converted DIR`` saves the converted parameters with orbax on the first start
 and restores them on the next ones straight into the mesh's shardings, skipping the checkpoint
-reading and the load-time conversions.
+reading and the load-time conversions. ``--speculative`` drafts with the DSpark head and
+verifies the drafts in one main-model call each (:func:`dsv41_jax.generation.generate_speculative`;
+the same distribution of tokens, greedy or sampled) and reports the acceptance length.
 
 The decoding runs on the device in one compiled loop (:func:`dsv41_jax.generation.generate`)
 and stops a row at ``<｜end▁of▁sentence｜>`` unless ``--no-eos``. ``--prompts-file`` runs one
@@ -129,6 +132,23 @@ def _top_p(text: str) -> float:
     return _number(text, lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)")
 
 
+def _drafts(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") \
+            from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text}")
+    return v
+
+
+def _threshold(text: str) -> float:
+    return _number(text, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="dsv41-generate", description=__doc__.split("\n")[0])
     prompt = ap.add_mutually_exclusive_group()
@@ -189,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="converted parameters (orbax, dsv41_jax.converted): restored from DIR "
                          "when it holds them (no checkpoint reading or conversion), else "
                          "written there after the conversion, for the next start")
+    ap.add_argument("--speculative", action="store_true",
+                    help="speculative decoding with the DSpark draft head (the config and "
+                         "checkpoint must have it, mtp.*): drafts verified in one main-model "
+                         "call each, the same token distribution; reports the acceptance "
+                         "length and tokens per main-model call")
+    ap.add_argument("--drafts", type=_drafts, default=None, metavar="K|auto",
+                    help="with --speculative: drafts per call, 1 to the DSpark block size "
+                         "(default: the block size), or 'auto': per row, the leading draft "
+                         "positions whose confidence (sigmoid) reaches --confidence-threshold")
+    ap.add_argument("--confidence-threshold", type=_threshold, default=None, metavar="T",
+                    help="with --drafts auto: the confidence a draft position needs, in [0, 1] "
+                         "(default 0.5)")
     ap.add_argument("--mesh", type=mesh_spec, default=None, metavar="data=D,tensor=T,expert=E",
                     help="run on a device mesh of these axis sizes (their product: the number "
                          "of devices; an axis left out is 1): tensor splits the query heads, "
@@ -312,7 +344,41 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
                          "a smaller config (configs/small.json)")
     except ValueError as e:   # an invalid config file
         ap.error(" ".join(str(e).split()))
+    _check_speculative(ap, args, cfg)
     return args, cfg
+
+
+def _check_speculative(ap: argparse.ArgumentParser, args: argparse.Namespace,
+                       cfg: ModelConfig) -> None:
+    """Refuse (``ap.error``) the speculative options without ``--speculative``, with
+    ``--mesh``, a ``--drafts`` above the block size, a config without DSpark or a checkpoint
+    that does not ship its head (``mtp.*``, from the files' headers)."""
+    if not args.speculative:
+        for opt, v in (("--drafts", args.drafts),
+                       ("--confidence-threshold", args.confidence_threshold)):
+            if v is not None:
+                ap.error(f"argument {opt}: only with --speculative")
+        return
+    if args.confidence_threshold is not None and args.drafts != "auto":
+        ap.error("argument --confidence-threshold: only with --drafts auto")
+    if args.mesh is not None:
+        ap.error("argument --speculative: not with --mesh (speculative generation runs on one "
+                 "device)")
+    if not cfg.dspark_on:
+        ap.error(f"argument --speculative: the config has no DSpark draft head (n_mtp_layers "
+                 f"{cfg.n_mtp_layers}, dspark_block_size {cfg.dspark_block_size})")
+    kmax = model.max_drafts(cfg)
+    if isinstance(args.drafts, int) and args.drafts > kmax:
+        ap.error(f"argument --drafts: at most {kmax} (the DSpark block size), got "
+                 f"{args.drafts}")
+    if args.checkpoint is not None:
+        try:
+            names = checkpoint.checkpoint_index(args.checkpoint)
+        except (ValueError, OSError) as e:
+            ap.error(f"argument --checkpoint: {e}")
+        if not any(n.startswith("mtp.") for n in names):
+            ap.error(f"argument --speculative: the checkpoint {args.checkpoint} ships no "
+                     "DSpark draft head (no mtp.* tensor)")
 
 
 # ----------------------------------------------------------------------------- run
@@ -387,15 +453,44 @@ def _prefill(params, cfg, rows: list[list[int]], capacity: int, chunk: int, mode
     return out.logits, state
 
 
-def _warm_generate(params, cfg, B, capacity, max_new_tokens, sampling, seed, mesh=None):
+def _run_generation(params, cfg, state, logits, args: argparse.Namespace, sampling, eos,
+                    mesh=None):
+    """The generation loop of ``args``: :func:`generation.generate_speculative` with
+    ``--speculative``, else :func:`generation.generate`."""
+    if args.speculative:
+        t = args.confidence_threshold
+        return generation.generate_speculative(
+            params, cfg, state, logits, max_new_tokens=args.max_new_tokens, drafts=args.drafts,
+            sampling=sampling, eos_ids=eos, seed=args.seed,
+            confidence_threshold=0.5 if t is None else t)
+    return generation.generate(params, cfg, state, logits, max_new_tokens=args.max_new_tokens,
+                               sampling=sampling, eos_ids=eos, seed=args.seed, mesh=mesh)
+
+
+def _warm_generate(params, cfg, B, capacity, args, sampling, mesh=None):
     """Compile the generation loop for these shapes on a throwaway state (run beside the
     prefill): logits that make token 0 certain and EOS id 0 end every row before any model
     step."""
     s = st.init_state(cfg, B, capacity)
     logits = jnp.full((B, cfg.vocab_size), -jnp.inf, F32).at[:, 0].set(0.0)
-    res = generation.generate(params, cfg, s, logits, max_new_tokens=max_new_tokens,
-                              sampling=sampling, eos_ids=(0,), seed=seed, mesh=mesh)
+    res = _run_generation(params, cfg, s, logits, args, sampling, (0,), mesh)
     jax.block_until_ready(res)
+
+
+def speculative_stats(res) -> dict:
+    """The measurements of a :class:`generation.SpeculativeResult` over its rows (counted while
+    each row was live): ``verify_calls`` (main-model calls of the loop),
+    ``acceptance_length`` (mean drafts accepted per verify), ``draft_acceptance_rate``
+    (accepted / verified drafts) and ``tokens_per_call`` (tokens the verify calls emitted per
+    call: the acceptance length + 1, less what EOS or ``max_new_tokens`` cut)."""
+    calls = np.asarray(res.row_calls).astype(np.int64)
+    acc = np.asarray(res.accepted).astype(np.int64) - calls
+    drafted = np.asarray(res.drafted).astype(np.int64)
+    emitted = np.asarray(res.lengths).astype(np.int64) - 1
+    n = max(int(calls.sum()), 1)
+    return {"verify_calls": int(res.calls), "acceptance_length": float(acc.sum() / n),
+            "draft_acceptance_rate": float(acc.sum() / max(int(drafted.sum()), 1)),
+            "tokens_per_call": float(emitted.sum() / n), "drafts_verified": int(drafted.sum())}
 
 
 def _row_outputs(tok, res, eos: tuple, stops: list[str]) -> list[dict]:
@@ -455,7 +550,9 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
     B = len(rows)
     lens = [len(r) for r in rows]
     n_max, n_total = max(lens), sum(lens)
-    capacity = state_capacity(n_max + args.max_new_tokens)
+    # speculative: room for the drafts of the last verify too
+    extra = model.max_drafts(cfg) if args.speculative else 0
+    capacity = state_capacity(n_max + args.max_new_tokens + extra)
     chunk = args.chunk
     buckets = generation.length_buckets(chunk)
     widths = [generation.bucket_length(max(c), buckets) for c in chunk_plan(lens, chunk)]
@@ -469,11 +566,15 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
     print(f"sampling: {'greedy' if sampling.greedy else sampling}; stop at "
           f"{'EOS' if eos else 'max-new-tokens only'}"
           + (f" or {len(args.stop)} stop string{'s' * (len(args.stop) > 1)}" if args.stop else ""))
+    if args.speculative:
+        t = 0.5 if args.confidence_threshold is None else args.confidence_threshold
+        what = (f"auto (confidence >= {t}, at most {model.max_drafts(cfg)})"
+                if args.drafts == "auto" else str(args.drafts or model.max_drafts(cfg)))
+        print(f"speculative: DSpark drafts per call: {what}")
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # the generation loop compiles beside the prefill (XLA compiles outside the GIL)
-        warm = pool.submit(_warm_generate, params, cfg, B, capacity, args.max_new_tokens,
-                           sampling, args.seed, mesh)
+        warm = pool.submit(_warm_generate, params, cfg, B, capacity, args, sampling, mesh)
         t0 = time.perf_counter()
         logits, state = _prefill(params, cfg, rows, capacity, chunk, args.mode,
                                  progress=n_max > chunk, mesh=mesh)
@@ -481,8 +582,7 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
         ttft = time.perf_counter() - t0
         warm.result()
     t1 = time.perf_counter()
-    res = generation.generate(params, cfg, state, logits, max_new_tokens=args.max_new_tokens,
-                              sampling=sampling, eos_ids=eos, seed=args.seed, mesh=mesh)
+    res = _run_generation(params, cfg, state, logits, args, sampling, eos, mesh)
     jax.block_until_ready(res)
     t_dec = time.perf_counter() - t1
     steps = int(np.asarray(res.lengths).max()) - 1
@@ -501,6 +601,13 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
     print(f"prefill: {n_total} tokens in {ttft:.2f}s (first call, compilation included)")
     print(f"time to first token: {ttft:.2f}s (prefill mode {args.mode}, compilation included)")
     print(decode_line(steps, t_dec, B))
+    spec = None
+    if args.speculative:
+        spec = speculative_stats(res)
+        print(f"speculative: {spec['verify_calls']} main-model calls (verify); acceptance "
+              f"length {spec['acceptance_length']:.2f} drafts accepted per verify "
+              f"({spec['draft_acceptance_rate']:.0%} of {spec['drafts_verified']} drafts); "
+              f"{spec['tokens_per_call']:.2f} tokens per main-model call")
     for line in state_report(cfg, res.state):
         print("state: " + line)
     tps = steps * B / t_dec if steps and t_dec > 0 else None
@@ -509,6 +616,8 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
            "decode_steps": steps, "decode_s": t_dec, "decode_tokens_per_s": tps,
            "mode": args.mode, "temperature": args.temperature, "top_k": args.top_k,
            "top_p": args.top_p}
+    if spec is not None:
+        rec["speculative"] = dict(spec, drafts=args.drafts or model.max_drafts(cfg))
     if args.time_steady:
         del res, state
         t0 = time.perf_counter()
@@ -517,9 +626,7 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
         logits.block_until_ready()
         t_pre = time.perf_counter() - t0
         t1 = time.perf_counter()
-        res2 = generation.generate(params, cfg, state, logits,
-                                   max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                   eos_ids=eos, seed=args.seed, mesh=mesh)
+        res2 = _run_generation(params, cfg, state, logits, args, sampling, eos, mesh)
         jax.block_until_ready(res2)
         t_dec2 = time.perf_counter() - t1
         same = _row_outputs(tok, res2, eos, args.stop) == outs
