@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.sampling import SamplingParams, sample
+from dsv41_jax.sampling import SamplingParams, probabilities, sample
 
 V = 1000
 
@@ -75,6 +75,33 @@ def test_plain_temperature_follows_softmax():
     d = np.asarray(sample(x, jax.random.key(0), SamplingParams(1.0)))
     assert set(d) <= {0, 1, 2}
     np.testing.assert_allclose([(d == i).mean() for i in range(3)], p[:3], atol=0.03)
+
+
+def test_probabilities_are_what_sample_draws_from():
+    """``probabilities``: the values of the example above (top-p 0.75 over 0.5 / 0.3 / ...:
+    0.625, 0.375, 0 elsewhere; top-k 2 then top-p 0.6: token 0 only), rows summing to 1,
+    greedy one-hot at the argmax; for random logits under temperature, top-k and top-p, the
+    frequencies of 4000 draws of ``sample`` within 0.03."""
+    p = np.full(V, 0.05 / (V - 3))
+    p[:4] = [0.5, 0.3, 0.1, 0.05]
+    x = jnp.asarray(np.log(p)[None], jnp.float32)
+    np.testing.assert_allclose(np.asarray(probabilities(x, SamplingParams(1.0, top_p=0.75)))[0],
+                               np.r_[0.625, 0.375, np.zeros(V - 2)], atol=1e-6)
+    np.testing.assert_array_equal(
+        np.asarray(probabilities(x, SamplingParams(1.0, top_k=2, top_p=0.6)))[0],
+        np.r_[1.0, np.zeros(V - 1)])
+    y = _logits(4, rows=3, scale=1.0)
+    np.testing.assert_array_equal(np.asarray(probabilities(y, SamplingParams())).argmax(-1),
+                                  np.asarray(y).argmax(-1))
+    for params in (SamplingParams(0.5), SamplingParams(0.7, top_k=6),
+                   SamplingParams(0.4, top_k=50, top_p=0.8)):
+        pr = np.asarray(probabilities(y, params))
+        np.testing.assert_allclose(pr.sum(-1), 1.0, atol=1e-5)
+        d = _draws(y, params, 4000)
+        for b in range(3):
+            freq = np.bincount(d[:, b], minlength=V) / 4000
+            assert np.abs(freq - pr[b]).max() < 0.03, (params, b)
+            assert (freq[pr[b] == 0] == 0).all()
 
 
 def test_seeds_reproduce_and_differ():
