@@ -6,6 +6,11 @@ from the prefill's last logits, and every further token costs one model step
 token. The loop is compiled once per (config, sampling, ``max_new_tokens``, kernel family,
 batch, capacity, number of EOS ids) and reused across calls.
 
+:func:`generate_speculative` does the same with DSpark speculation: per loop iteration, drafts,
+one ``verify`` of them and the accepted ones emitted (greedy, or sampled with rejection
+sampling so the tokens keep the model's distribution; docs/architecture.md, "Speculative
+generation").
+
 :func:`bucket_length` and :func:`length_buckets` pick padded prefill widths from a small set so
 that prompts of any length compile a few prefill programs only.
 """
@@ -383,9 +388,10 @@ _spec_jit = jax.jit(_spec_loop,
 
 
 def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
-                         drafts: int | str | None = None, sampling: SamplingParams = SamplingParams(),
-                         eos_ids=(), seed: int = 0, confidence_threshold: float = 0.5,
-                         attn_impl: str = "auto", draft=None) -> SpeculativeResult:
+                         drafts: int | str | None = None,
+                         sampling: SamplingParams = SamplingParams(), eos_ids=(), seed: int = 0,
+                         confidence_threshold: float = 0.5, attn_impl: str = "auto",
+                         draft=None) -> SpeculativeResult:
     """Generation with DSpark speculation, on the device (docs/architecture.md, "Speculative
     generation"): each loop iteration drafts tokens after each row's latest token
     (:func:`dsv41_jax.model.draft`, sampled with ``sampling``), verifies them in one

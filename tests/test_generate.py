@@ -300,7 +300,7 @@ def test_generate_speculative_end_to_end(tmp_path, capsys):
     """--speculative --drafts auto (sampled, --no-eos; the token distribution is tested in
     tests/test_speculative.py): the report and the JSON carry the verify calls, the acceptance
     length and the tokens per main-model call, consistent with each other (5 tokens after the
-    first over the calls)."""
+    first over the calls; at most the acceptance length + 1 per call)."""
     cfg = _spec_config(tmp_path)
     b = tmp_path / "b.json"
     assert generate.main(["--config", cfg, "--prompt", SPEC_PROMPT, "--max-new-tokens", "6",
@@ -319,7 +319,8 @@ def test_generate_speculative_end_to_end(tmp_path, capsys):
     assert sp["verify_calls"] <= sp["drafts_verified"] <= 2 * sp["verify_calls"]
     assert sp["tokens_per_call"] * sp["verify_calls"] == pytest.approx(5)
     assert 0 <= sp["acceptance_length"] <= 2
-    assert sp["acceptance_length"] == pytest.approx(sp["tokens_per_call"] - 1)
+    # the last call's tokens may be cut at max_new_tokens
+    assert sp["tokens_per_call"] <= sp["acceptance_length"] + 1 + 1e-9
     assert sp["draft_acceptance_rate"] == pytest.approx(
         sp["acceptance_length"] * sp["verify_calls"] / sp["drafts_verified"])
 
