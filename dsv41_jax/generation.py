@@ -416,6 +416,8 @@ def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tok
         (:func:`dsv41_jax.model.draft_fn`), e.g. an oracle for an upper bound or a test;
         ``ids[:, 0]`` must be ``last``. With logits the drafts must be drawn from
         ``probabilities(logits, sampling)``; without, they count as deterministic.
+        ``drafts="auto"`` needs the confidence (else ``ValueError`` when the loop is traced,
+        before it runs).
 
     A row that is done keeps committing one position per call. Needs room for ``pos +
     max_new_tokens + k`` tokens (``k``: the most drafts).
