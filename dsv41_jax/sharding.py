@@ -70,6 +70,7 @@ LOGICAL_AXES: dict[str, str | None] = {
 #: gathering its rows and an all-reduce adding exact zeros for the others).
 ENGRAM_PLACES = ("replicated", "sharded")
 ENGRAM_ROW_AXES = MESH_AXES
+_ENGRAM_TABLE = re.compile(r"engram/embed/(weight|scale)$")
 
 #: Parameter path (a regular expression, full match, on the leaf's path in the prepared tree
 #: with ``layer_groups/<group>/<run>/`` removed) -> the logical axes of the leaf's dimensions
@@ -252,13 +253,37 @@ def _pad_engram_rows(params, mesh: Mesh):
     n = _axes_size(mesh, ENGRAM_ROW_AXES)
 
     def pad(path, x):
-        if not re.search(r"engram/embed/(weight|scale)$", _path_str(path)) or \
+        if not _ENGRAM_TABLE.search(_path_str(path)) or \
                 x.shape[-2] % n == 0:
             return x
         width = [(0, 0)] * x.ndim
         width[-2] = (0, -x.shape[-2] % n)
         return (jnp.pad if isinstance(x, jax.Array) else np.pad)(x, width)
     return jax.tree_util.tree_map_with_path(pad, params)
+
+
+def checkpoint_sharding(name: str, shape: tuple, mesh: Mesh, *, engram: str = "replicated"
+                        ) -> tuple[tuple, NamedSharding]:
+    """Where the sliced loader (:func:`dsv41_jax.checkpoint.stream_params` with a mesh) puts
+    one reference checkpoint tensor: ``(global shape, NamedSharding)``. ``name``: the
+    tensor's name as stored (``"layers.3.attn.wq_b.weight"``), or a layer's stacked routed
+    experts (``"layers.3.ffn.experts.w1.scale"``, ``[E, ...]``). The spec is the one of the
+    prepared leaf it becomes: :data:`PARAM_RULES` on its path within the layer (the
+    ``layers.N.`` prefix dropped; the two stack axes that :func:`dsv41_jax.model.prepare_params`
+    adds are never split), so the FP8 / FP4 weights and their E8M0 scales are each split by
+    their own rule. The Engram tables (``engram.embed.weight`` / ``.scale``) with ``engram``
+    ``"sharded"`` or ``"host"`` get their rows padded to a multiple of the device count and
+    split over every device (``"host"`` tables load into device memory like ``"sharded"``;
+    :func:`shard_params` then moves them to host memory). ``mtp.*`` (DSpark) and vision
+    tensors match no rule: replicated."""
+    path = re.sub(r"^layers\.\d+\.", "", name).replace(".", "/")
+    shape = tuple(shape)
+    table = "sharded" if engram == "host" else engram
+    if table == "sharded" and _ENGRAM_TABLE.search(path) and len(shape) >= 2:
+        n = _axes_size(mesh, ENGRAM_ROW_AXES)
+        shape = shape[:-2] + (-(-shape[-2] // n) * n,) + shape[-1:]
+    spec = spec_for(param_logical_axes(path, len(shape)), shape, mesh, engram=table)
+    return shape, NamedSharding(mesh, spec)
 
 
 def check_experts(cfg: ModelConfig, mesh: Mesh | None):
@@ -269,11 +294,15 @@ def check_experts(cfg: ModelConfig, mesh: Mesh | None):
                          f"mesh's expert axis ({ep}): each expert shard holds whole experts")
 
 
-def shard_params(params, cfg: ModelConfig, mesh: Mesh, *, engram: str = "replicated"):
+def shard_params(params, cfg: ModelConfig, mesh: Mesh, *, engram: str = "replicated",
+                 reshard: bool = False):
     """``params`` prepared by :func:`dsv41_jax.model.prepare_params` placed on ``mesh`` by
     :func:`param_shardings` (``jax.device_put``). A tree already on the mesh
     (:func:`on_mesh`) is returned as it is, so the entry points keep a placement made
-    beforehand (e.g. with ``engram="sharded"``).
+    beforehand (e.g. with ``engram="sharded"``), unless ``reshard``: then every leaf is put
+    where the table says (on the device when it is already there, no copy): for a tree
+    prepared from the sliced loader's (:func:`dsv41_jax.checkpoint.stream_params` with a
+    mesh), whose stacked leaves have the shardings the compiler gave ``prepare_params``' ops.
 
     ``engram`` (:data:`ENGRAM_PLACES`): ``"replicated"`` (default) or ``"sharded"``: the
     Engram tables' rows split over every device, each table first padded with zero rows to a
@@ -288,7 +317,7 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh, *, engram: str = "replica
     if "layer_groups" not in params:
         raise ValueError("params must be prepared (dsv41_jax.model.prepare_params(params, cfg)) "
                          "before shard_params: it places the stacked layer groups")
-    if on_mesh(params, mesh):
+    if not reshard and on_mesh(params, mesh):
         return params
     if engram == "sharded":
         params = _pad_engram_rows(params, mesh)

@@ -364,3 +364,27 @@ def test_blocked_placement(small, tmp_path):
     assert sizes["norm.weight"] == [D]
     with pytest.raises(ValueError, match="block_bytes must be an integer >= 1, got 0"):
         checkpoint.load_params(tmp_path / "ck", block_bytes=0)
+
+
+def test_read_slice_reads_its_part(tmp_path):
+    """``read_slice``: a part of a tensor (bf16, FP8, E8M0, fp32, an empty range) equals
+    that part of the whole tensor, as a new array (not a view of the mapped file);
+    ``slice_bounds`` turns a device's index into bounds and refuses steps other than 1."""
+    rng = np.random.default_rng(0)
+    tensors = {"a.weight": rng.normal(0, 1, (40, 24)).astype(ml_dtypes.float8_e4m3fn),
+               "a.scale": rng.integers(100, 140, (2, 1)).astype(np.uint8),
+               "b": rng.normal(0, 1, (5, 3, 8)).astype(ml_dtypes.bfloat16),
+               "c": np.array([3.5], np.float32)}
+    checkpoint.write_safetensors(tmp_path / "t.safetensors", tensors)
+    index = checkpoint.read_header(tmp_path / "t.safetensors")
+    for name, idx in [("a.weight", (slice(8, 16), slice(0, 24))), ("a.weight", (slice(None),)),
+                      ("a.scale", (slice(1, 2),)), ("b", (slice(2, 5), slice(1, 3), slice(4, 8))),
+                      ("b", (slice(3, 3),)), ("c", (slice(0, 1),))]:
+        a = tensors[name]
+        got = checkpoint.read_slice(index[name], checkpoint.slice_bounds(idx, a.shape))
+        assert got.dtype == a.dtype and got.base is None
+        np.testing.assert_array_equal(got.view(np.uint8), np.ascontiguousarray(a[idx]).view(
+            np.uint8))
+    assert checkpoint.slice_bounds((slice(None), slice(2, None)), (4, 6)) == ((0, 4), (2, 6))
+    with pytest.raises(ValueError, match="step 2"):
+        checkpoint.slice_bounds((slice(0, 4, 2),), (4,))

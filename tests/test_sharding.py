@@ -402,3 +402,71 @@ def test_converted_round_trip(tiny, tmp_path):
         converted.restore_converted(d, cfg, source="ckpt")
     with pytest.raises(ValueError, match="holds no converted parameters"):
         converted.restore_converted(tmp_path, cfg)
+
+
+# ----------------------------------------------------------------------------- sliced loading
+
+
+@needs_8
+def test_sliced_load_bitwise(tmp_path, monkeypatch):
+    """Loading a checkpoint (two files) with a mesh reads each device's part of each tensor
+    alone (every read of ``read_slice`` recorded: its bounds are a device's index of the
+    tensor's sharding, and a split tensor is never read whole) and, prepared and placed, gives
+    the tree of the unsharded load + ``prepare_params`` + ``shard_params`` bit for bit, every
+    leaf in the same sharding: on (2, 2, 2) with the Engram rows split (padded), and on
+    (1, 8, 1), where ``wq_b``'s FP8 rows split 8 ways with their E8M0 scale rows (32 rows per
+    scale row)."""
+    from dsv41_jax import checkpoint, random_weights
+    from tree_checks import assert_trees_bitwise_equal
+
+    cfg, _ = tiny_config("shrink")
+    cfg = cfg.replace(n_routed_experts=8, n_activated_experts=2)
+    flat = random_weights.random_tensors(cfg, 0)
+    names = list(flat)
+    d = tmp_path / "ck"
+    d.mkdir()
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        checkpoint.write_safetensors(d / f"model-{i}.safetensors", {n: flat[n] for n in part})
+    tmap = identity_token_map(cfg.vocab_size)
+    reads = []
+    real = checkpoint.read_slice
+
+    def recorded(entry, bounds):
+        out = real(entry, bounds)
+        reads.append((entry.name, bounds, out.nbytes))
+        return out
+    monkeypatch.setattr(checkpoint, "read_slice", recorded)
+    for shape, engram in [((2, 2, 2), "sharded"), ((1, 8, 1), "replicated")]:
+        mesh = sharding.make_mesh(*shape)
+        _, want = checkpoint.load_params(d, cfg, tokenizer_map=tmap)
+        want = sharding.shard_params(model.prepare_params(want, cfg), cfg, mesh, engram=engram)
+        reads.clear()
+        _, got = checkpoint.load_params(d, cfg, tokenizer_map=tmap, mesh=mesh, engram=engram)
+        got = sharding.shard_params(model.prepare_params(got, cfg), cfg, mesh, engram=engram,
+                                    reshard=True)
+        assert_trees_bitwise_equal(want, got, f"sliced load on {shape}")
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+            assert b.sharding == a.sharding, (jax.tree_util.keystr(path), b.sharding)
+        by_name = {}
+        for name, bounds, nbytes in reads:
+            by_name.setdefault(name, []).append((bounds, nbytes))
+        wq_b = "layers.1.attn.wq_b"
+        T = shape[1]
+        for n in (f"{wq_b}.weight", f"{wq_b}.scale"):   # rows split over tensor, never whole
+            full, where = sharding.checkpoint_sharding(n, flat[n].shape, mesh)
+            parts = {checkpoint.slice_bounds(i, full)
+                     for i in where.devices_indices_map(full).values()}
+            assert {b for b, _ in by_name[n]} == parts and len(parts) == T
+            assert max(nb for _, nb in by_name[n]) == flat[n].nbytes // T
+        # each device reads its experts only: expert e of layer 1 once per device holding it
+        counts = [len(by_name[f"layers.1.ffn.experts.{e}.w1.weight"]) for e in range(8)]
+        assert counts == [N_DEV // shape[2]] * 8
+        table = "layers.1.engram.embed.weight"
+        rows = [b[0][1] - b[0][0] for b, _ in by_name[table]]
+        if engram == "sharded":   # rows over all 8 devices, the padded ones never read
+            assert len(rows) == N_DEV and max(rows) == -(-flat[table].shape[0] // N_DEV)
+            assert sum(rows) == flat[table].shape[0]
+        else:
+            assert rows == [flat[table].shape[0]] * N_DEV
+    with pytest.raises(ValueError, match="place and mesh are exclusive"):
+        checkpoint.load_params(d, cfg, tokenizer_map=tmap, mesh=mesh, place=lambda n, h: h)

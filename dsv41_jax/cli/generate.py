@@ -429,14 +429,14 @@ def load_prepared(args: argparse.Namespace, cfg: ModelConfig, mesh=None):
     if args.converted and converted.converted_info(args.converted) is not None:
         params = converted.restore_converted(args.converted, cfg, mesh=mesh, source=origin)
         return cfg, params, source + f"; converted parameters restored from {args.converted}"
-    if args.checkpoint:
-        cfg, params = checkpoint.load_params(args.checkpoint, cfg)
+    if args.checkpoint:   # with a mesh, each device reads only its part of each tensor
+        cfg, params = checkpoint.load_params(args.checkpoint, cfg, mesh=mesh)
     else:
         params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, args.seed),
                                                 cfg)
     params = model.prepare_params(params, cfg)
     if mesh is not None:
-        params = sharding.shard_params(params, cfg, mesh)
+        params = sharding.shard_params(params, cfg, mesh, reshard=True)
     if args.converted:
         converted.save_converted(args.converted, params, cfg, source=origin)
         source += f"; converted parameters saved to {args.converted}"
