@@ -676,15 +676,43 @@ def _place_in_blocks(place, name: str, shape: tuple, dtype, rows_of, block_bytes
     step = max(1, block_bytes // row_bytes)
     if not shape or step >= n:
         return _placed(place, name, rows_of(0, n))
-    out = None
+    out = write = None
     for lo in range(0, n, step):
         block = _placed(place, name, rows_of(lo, min(lo + step, n)))
-        if out is None:
-            out = jnp.zeros(shape, block.dtype, device=block.sharding)
-        out = _write_rows(out, block, lo)
+        if out is None and in_host_memory(block):
+            out, write = _host_rows_writer(shape, block)
+        elif out is None:
+            out, write = jnp.zeros(shape, block.dtype, device=block.sharding), _write_rows
+        out = write(out, block, lo)
         del block
         out.block_until_ready()
     return out
+
+
+def in_host_memory(x) -> bool:
+    """Whether ``x`` is a ``jax.Array`` placed in a host memory kind (``"pinned_host"``,
+    ``"unpinned_host"``), not in the device's memory."""
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return kind is not None and kind != "device"
+
+
+def _host_rows_writer(shape: tuple, block):
+    """``(out, write)`` for a tensor built in host memory (an Engram table placed with
+    ``engram="host"``): ``out`` zeros of ``shape`` in ``block``'s sharding and ``write(out,
+    block, lo)`` :func:`_write_rows`, both computed on the host (``compute_on
+    ("device_host")``), so the tensor never passes through the device's memory."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compute_on import compute_on
+
+    host = jax.memory.Space.Host
+    on_host = compute_on(compute_type="device_host", out_memory_spaces=host)
+    zeros = jax.jit(lambda: on_host(lambda: jnp.zeros(shape, block.dtype))(),
+                    out_shardings=block.sharding)
+    write = jax.jit(lambda o, b, i: on_host(lambda o, b, i: jax.lax.dynamic_update_slice_in_dim(
+        o, b, i, 0))(o, b, jax.device_put(i, host)), out_shardings=block.sharding,
+        donate_argnums=0)
+    return zeros(), write
 
 
 def _place_parts(name: str, shape: tuple, dtype, read_part, where, block_bytes: int):
@@ -710,7 +738,7 @@ def _place_parts(name: str, shape: tuple, dtype, read_part, where, block_bytes: 
             first = bounds[0][0]
             return read_part(((first + lo, first + hi),) + bounds[1:])
 
-        one = jax.sharding.SingleDeviceSharding(device)
+        one = jax.sharding.SingleDeviceSharding(device, memory_kind=where.memory_kind)
         arrays.append(_place_in_blocks(lambda n, h, one=one: jax.device_put(h, one), name,
                                        part, dtype, rows_of, block_bytes))
     return jax.make_array_from_single_device_arrays(shape, where, arrays)
