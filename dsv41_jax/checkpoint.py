@@ -668,7 +668,8 @@ def _place_in_blocks(place, name: str, shape: tuple, dtype, rows_of, block_bytes
     """Place a ``shape`` tensor whose host rows ``rows_of(lo, hi)`` (leading axis) builds, in
     blocks of at most ``block_bytes`` (at least one row): the whole tensor in one call when it
     fits, else each block placed and written into a device array of the full shape (made with
-    the first block's sharding), so that the host holds one block at a time."""
+    the first block's sharding; in host memory, built and written on the host:
+    :func:`_host_rows_writer`), so that the host holds one block at a time."""
     import jax.numpy as jnp
 
     n = shape[0] if shape else 1
@@ -778,8 +779,9 @@ def stream_params(path: str | os.PathLike, cfg, tokenizer_map=None, *,
     ``mesh`` (:func:`dsv41_jax.sharding.make_mesh`): sliced loading. Each tensor (expert
     stack) is made a global array on the mesh in the sharding of the prepared leaf it becomes
     (:func:`dsv41_jax.sharding.checkpoint_sharding`: the table's rule on its path within the
-    layer; the Engram tables' rows as ``engram`` says, ``"host"`` loading them split over the
-    devices like ``"sharded"``); each device's part is read alone (:func:`read_slice`: only
+    layer; the Engram tables' rows as ``engram`` says, with ``"host"`` split over the devices
+    in their host memory, never passing through the devices' memory); each device's part is
+    read alone (:func:`read_slice`: only
     its byte ranges) and put on that device (:func:`_place_parts`), so the host holds about
     one part of one tensor (at most ``block_bytes``), never the tensor. Slicing is done in
     the checkpoint's layout: the FP8 / FP4 weights and their E8M0 scales are each sliced by
