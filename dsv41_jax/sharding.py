@@ -187,11 +187,10 @@ def host_memory_kind(device: Any) -> str:
     """:data:`HOST_MEMORY_KIND` if ``device`` (a ``jax.Device``, e.g. a mesh's
     ``mesh.devices.flat[0]``) has that memory (GPUs, TPUs; JAX 0.11's CPU devices too), else
     ``ValueError`` naming the backend and the memories it has."""
-    dev = device
-    kinds = sorted(m.kind for m in dev.addressable_memories())
+    kinds = sorted(m.kind for m in device.addressable_memories())
     if HOST_MEMORY_KIND not in kinds:
         raise ValueError(f"engram='host' needs the memory kind {HOST_MEMORY_KIND!r}, which "
-                         f"the {dev.platform} backend's devices do not have (they have "
+                         f"the {device.platform} backend's devices do not have (they have "
                          f"{kinds}); use engram='sharded' or 'replicated'")
     return HOST_MEMORY_KIND
 
@@ -312,7 +311,7 @@ def checkpoint_sharding(name: str, shape: tuple, mesh: Mesh, *, engram: str = "r
     path = re.sub(r"^layers\.\d+\.", "", name).replace(".", "/")
     shape = tuple(shape)
     table = "sharded" if engram == "host" else engram
-    if table == "sharded" and _ENGRAM_TABLE.search(path) and len(shape) >= 2:
+    if table == "sharded" and is_engram_table(path) and len(shape) >= 2:
         n = _axes_size(mesh, ENGRAM_ROW_AXES)
         shape = shape[:-2] + (-(-shape[-2] // n) * n,) + shape[-1:]
     spec = spec_for(param_logical_axes(path, len(shape)), shape, mesh, engram=table)
