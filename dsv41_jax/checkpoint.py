@@ -137,6 +137,42 @@ def map_tensor(entry: TensorEntry) -> np.ndarray:
     return np.frombuffer(mm, entry.dtype).reshape(entry.shape)
 
 
+def slice_bounds(index, shape: tuple) -> tuple[tuple[int, int], ...]:
+    """``((start, stop), ...)`` per dimension of ``shape`` of ``index``, a tuple of ``slice`` s
+    of step 1 (missing trailing ones: whole), as
+    ``jax.sharding.Sharding.addressable_devices_indices_map`` gives them. Raises
+    ``ValueError`` for a step other than 1 or more slices than dimensions."""
+    index = tuple(index)
+    if len(index) > len(shape):
+        raise ValueError(f"index {index} has more slices than the shape {shape} dimensions")
+    out = []
+    for i, n in enumerate(shape):
+        start, stop, step = (index[i] if i < len(index) else slice(None)).indices(n)
+        if step != 1:
+            raise ValueError(f"index {index}: dimension {i} has step {step}, only 1 is read")
+        out.append((start, max(start, stop)))
+    return tuple(out)
+
+
+def read_slice(entry: TensorEntry, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The part ``bounds`` (``((start, stop), ...)`` per dimension, :func:`slice_bounds`) of
+    one tensor, as a new numpy array of its storage dtype: only the leading axis' rows
+    ``start .. stop`` are mapped (:func:`map_tensor` of their byte range) and only the part is
+    copied out of them, so the host holds the part, not the tensor. (Not
+    ``safetensors.safe_open(..., "numpy").get_slice``: safetensors 0.8's numpy reader has no
+    FP8 dtypes.)
+
+    Raises ``ValueError`` as :func:`map_tensor` does."""
+    if not entry.shape:
+        return np.array(map_tensor(entry))
+    (lo, hi), rest = bounds[0], bounds[1:]
+    row = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+    rows = map_tensor(dataclasses.replace(entry, shape=(hi - lo,) + entry.shape[1:],
+                                          start=entry.start + lo * row,
+                                          nbytes=(hi - lo) * row))
+    return np.array(rows[(slice(None),) + tuple(slice(a, b) for a, b in rest)])
+
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of one ``.safetensors`` file as numpy arrays in their storage dtypes.
 
@@ -632,7 +668,8 @@ def _place_in_blocks(place, name: str, shape: tuple, dtype, rows_of, block_bytes
     """Place a ``shape`` tensor whose host rows ``rows_of(lo, hi)`` (leading axis) builds, in
     blocks of at most ``block_bytes`` (at least one row): the whole tensor in one call when it
     fits, else each block placed and written into a device array of the full shape (made with
-    the first block's sharding), so that the host holds one block at a time."""
+    the first block's sharding; in host memory, built and written on the host:
+    :func:`_host_rows_writer`), so that the host holds one block at a time."""
     import jax.numpy as jnp
 
     n = shape[0] if shape else 1
@@ -640,20 +677,92 @@ def _place_in_blocks(place, name: str, shape: tuple, dtype, rows_of, block_bytes
     step = max(1, block_bytes // row_bytes)
     if not shape or step >= n:
         return _placed(place, name, rows_of(0, n))
-    out = None
+    out = write = None
     for lo in range(0, n, step):
         block = _placed(place, name, rows_of(lo, min(lo + step, n)))
-        if out is None:
-            out = jnp.zeros(shape, block.dtype, device=block.sharding)
-        out = _write_rows(out, block, lo)
+        if out is None and in_host_memory(block):
+            out, write = _host_rows_writer(shape, block)
+        elif out is None:
+            out, write = jnp.zeros(shape, block.dtype, device=block.sharding), _write_rows
+        out = write(out, block, lo)
         del block
         out.block_until_ready()
     return out
 
 
+def in_host_memory(x) -> bool:
+    """Whether ``x`` is a ``jax.Array`` placed in a host memory kind (``"pinned_host"``,
+    ``"unpinned_host"``), not in the device's memory."""
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return kind is not None and kind != "device"
+
+
+def _host_rows_writer(shape: tuple, block):
+    """``(out, write)`` for a tensor built in host memory (an Engram table placed with
+    ``engram="host"``): ``out`` zeros of ``shape`` in ``block``'s sharding and ``write(out,
+    block, lo)`` :func:`_write_rows`, both computed on the host (``compute_on
+    ("device_host")``), so the tensor never passes through the device's memory."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compute_on import compute_on
+
+    host = jax.memory.Space.Host
+    on_host = compute_on(compute_type="device_host", out_memory_spaces=host)
+    zeros = jax.jit(lambda: on_host(lambda: jnp.zeros(shape, block.dtype))(),
+                    out_shardings=block.sharding)
+    write = jax.jit(lambda o, b, i: on_host(lambda o, b, i: jax.lax.dynamic_update_slice_in_dim(
+        o, b, i, 0))(o, b, jax.device_put(i, host)), out_shardings=block.sharding,
+        donate_argnums=0)
+    return zeros(), write
+
+
+def _place_parts(name: str, shape: tuple, dtype, read_part, where, block_bytes: int):
+    """A ``jax.Array`` of global ``shape`` placed by ``where`` (a
+    :class:`jax.sharding.Sharding`), built part by part: each addressable device's part
+    (``where.addressable_devices_indices_map``) is read with ``read_part(bounds)`` (host rows,
+    ``((start, stop), ...)`` per dimension, :func:`slice_bounds`), in blocks of at most
+    ``block_bytes`` along its leading axis (:func:`_place_in_blocks`), put on that device alone
+    and dropped before the next read; ``jax.make_array_from_single_device_arrays`` joins the
+    parts. The host holds one block of one part at a time. (Not
+    ``jax.make_array_from_callback``: it reads every addressable part before placing any, a
+    whole tensor per host - a replicated one once per device.)"""
+    import jax
+
+    arrays = []
+    for device, index in where.addressable_devices_indices_map(shape).items():
+        bounds = slice_bounds(index, shape)
+        part = tuple(hi - lo for lo, hi in bounds)
+
+        def rows_of(lo, hi, bounds=bounds):
+            if not bounds:
+                return read_part(bounds)
+            first = bounds[0][0]
+            return read_part(((first + lo, first + hi),) + bounds[1:])
+
+        one = jax.sharding.SingleDeviceSharding(device, memory_kind=where.memory_kind)
+        arrays.append(_place_in_blocks(lambda n, h, one=one: jax.device_put(h, one), name,
+                                       part, dtype, rows_of, block_bytes))
+    return jax.make_array_from_single_device_arrays(shape, where, arrays)
+
+
+def _padded_reader(read_part, shape: tuple):
+    """``read_part`` for a tensor of ``shape`` extended to larger global shapes with zero
+    rows (the Engram tables padded to a multiple of the device count): the part's rows at or
+    past ``shape[0]`` are zeros, the rest read."""
+    def read(bounds):
+        (lo, hi), rest = bounds[0], bounds[1:]
+        real = read_part(((min(lo, shape[0]), min(hi, shape[0])),) + rest)
+        if hi <= shape[0]:
+            return real
+        pad = np.zeros((hi - max(lo, shape[0]),) + real.shape[1:], real.dtype)
+        return np.concatenate([real, pad])
+    return read
+
+
 def stream_params(path: str | os.PathLike, cfg, tokenizer_map=None, *,
                   place: Callable[[str, np.ndarray], Any] | None = None,
-                  block_bytes: int = BLOCK_BYTES) -> dict:
+                  block_bytes: int = BLOCK_BYTES, mesh=None,
+                  engram: str = "replicated") -> dict:
     """:func:`params_from_tensors` of a checkpoint on disk (directory of ``*.safetensors`` or
     one file), streamed: the files' headers are checked against the expected layout first
     (:func:`validate_index`, no data read), then each tensor is read as a zero-copy memmap
@@ -667,15 +776,50 @@ def stream_params(path: str | os.PathLike, cfg, tokenizer_map=None, *,
     never sit whole in host memory. Peak host memory: about ``min(block_bytes, largest
     tensor)`` plus the pages of the tensor being read, whatever the checkpoint's size.
 
+    ``mesh`` (:func:`dsv41_jax.sharding.make_mesh`): sliced loading. Each tensor (expert
+    stack) is made a global array on the mesh in the sharding of the prepared leaf it becomes
+    (:func:`dsv41_jax.sharding.checkpoint_sharding`: the table's rule on its path within the
+    layer; the Engram tables' rows as ``engram`` says, with ``"host"`` split over the devices
+    in their host memory, never passing through the devices' memory); each device's part is
+    read alone (:func:`read_slice`: only
+    its byte ranges) and put on that device (:func:`_place_parts`), so the host holds about
+    one part of one tensor (at most ``block_bytes``), never the tensor. Slicing is done in
+    the checkpoint's layout: the FP8 / FP4 weights and their E8M0 scales are each sliced by
+    their own rule (a scale's dimension split only where the mesh divides it, on 32-row block
+    boundaries; else replicated), and the load-time conversions, then
+    :func:`dsv41_jax.model.prepare_params` (stacking, dequantising), run on the device on
+    these global arrays: the same values as the unsharded load, bit for bit. Place the
+    prepared tree with ``shard_params(..., reshard=True)``. ``place`` is then not used.
+
     Raises ``ValueError`` naming the tensor and its file for a missing tensor, a wrong shape
     or dtype, a truncated file or one shortened while loading, a tensor in two files, and
-    anything :func:`read_header` refuses; ``ValueError`` for a ``block_bytes`` below 1.
+    anything :func:`read_header` refuses; ``ValueError`` for a ``block_bytes`` below 1, for
+    ``place`` and ``mesh`` both given, and as :func:`~dsv41_jax.sharding.shard_params` for a
+    bad mesh or ``engram``.
     """
     if not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes must be an integer >= 1, got {block_bytes!r}")
+    if mesh is not None:
+        from dsv41_jax import sharding
+        if place is not None:
+            raise ValueError("place and mesh are exclusive: with a mesh each tensor is placed "
+                             "by its sharding")
+        sharding.check_mesh(mesh)
+        sharding.check_experts(cfg, mesh)
+        sharding.logical_axes_table(engram)
     index = checkpoint_index(path)
     validate_index(index, cfg)
     place = place or default_place
+
+    def placed(name, shape, dtype, rows_of, read_part):
+        """One tensor read and placed: by ``place`` in blocks of ``rows_of(lo, hi)`` (zero-copy
+        views where it can), or on the mesh part by part (``read_part(bounds)``)."""
+        if mesh is None:
+            return _place_in_blocks(place, name, shape, dtype, rows_of, block_bytes)
+        full, where = sharding.checkpoint_sharding(name, shape, mesh, engram=engram)
+        if full != shape:
+            read_part = _padded_reader(read_part, shape)
+        return _place_parts(name, full, dtype, read_part, where, block_bytes)
 
     def fetch(name):
         e = index[name]
@@ -687,35 +831,39 @@ def stream_params(path: str | os.PathLike, cfg, tokenizer_map=None, *,
             return map_tensor(dataclasses.replace(
                 e, shape=(hi - lo,) + e.shape[1:], start=e.start + lo * row,
                 nbytes=(hi - lo) * row))
-        return _place_in_blocks(place, name, e.shape, e.dtype, rows_of, block_bytes)
+        return placed(name, e.shape, e.dtype, rows_of, lambda bounds: read_slice(e, bounds))
 
     def stack(name, names):
         first = index[names[0]]
+        whole = tuple((0, n) for n in first.shape)
 
-        def rows_of(lo, hi):
-            buf = np.empty((hi - lo,) + first.shape, first.dtype)
+        def read_part(bounds):
+            (lo, hi), rest = bounds[0], bounds[1:]
+            buf = np.empty((hi - lo,) + tuple(b - a for a, b in rest), first.dtype)
             for i in range(lo, hi):
-                buf[i - lo] = map_tensor(index[names[i]])
+                buf[i - lo] = read_slice(index[names[i]], rest)
             return buf
-        return _place_in_blocks(place, name, (len(names),) + first.shape, first.dtype, rows_of,
-                                block_bytes)
+        return placed(name, (len(names),) + first.shape, first.dtype,
+                      lambda lo, hi: read_part(((lo, hi),) + whole), read_part)
 
     return _assemble(cfg, index, fetch, stack, tokenizer_map)
 
 
 def load_params(path: str | os.PathLike, cfg=None, *, tokenizer_map=None,
                 place: Callable[[str, np.ndarray], Any] | None = None,
-                block_bytes: int = BLOCK_BYTES):
+                block_bytes: int = BLOCK_BYTES, mesh=None, engram: str = "replicated"):
     """Load a reference-format checkpoint directory (``config.json`` + ``*.safetensors``),
     streamed tensor by tensor (:func:`stream_params`).
 
     Returns ``(cfg, params)``; ``cfg`` defaults to the directory's ``config.json``.
     ``tokenizer_map``: Engram's compressed token map (default: built from the tokenizer);
-    ``place``, ``block_bytes``: see :func:`stream_params`. Raises ``ValueError`` naming a
+    ``place``, ``block_bytes``, ``mesh``, ``engram``: see :func:`stream_params` (with a
+    ``mesh``, each device reads only its part of each tensor). Raises ``ValueError`` naming a
     missing, mis-shaped or mis-typed tensor and its file, or a truncated file.
     """
     from dsv41_jax.config import ModelConfig
 
     if cfg is None:
         cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
-    return cfg, stream_params(path, cfg, tokenizer_map, place=place, block_bytes=block_bytes)
+    return cfg, stream_params(path, cfg, tokenizer_map, place=place, block_bytes=block_bytes,
+                              mesh=mesh, engram=engram)

@@ -233,12 +233,20 @@ def device_share(kind: str, *, devices: int, n_routed_experts: int, engram: str)
     return 1.0
 
 
+#: What ``engram="host"`` does (``shard_params(..., engram="host")``, the sliced loader), as
+#: the plan prints it.
+HOST_ENGRAM = ("in the devices' pinned host memory, rows split over every device (one host "
+               "holds the whole tables once, each of n hosts 1/n: counted here as one host); "
+               "loaded, stacked and kept there, never in the devices' memory; each step "
+               "gathers the rows it reads on the host and moves only those to the device")
+
+
 def assumptions(cfg, devices: int, engram: str) -> list[str]:
     """The plan's assumptions, as printed."""
     e_dev = -(-cfg.n_routed_experts // devices)
     where = {"device": "on every device (replicated)",
              "sharded": f"on the devices, rows split {devices} ways",
-             "host": "in host memory (counted per host process, not on the devices)"}[engram]
+             "host": HOST_ENGRAM}[engram]
     return [
         f"routed experts split across the {devices} device(s): {e_dev} of "
         f"{cfg.n_routed_experts} per device (expert parallel); every other weight replicated",
@@ -262,7 +270,7 @@ def mesh_assumptions(cfg, mesh: dict, engram: str) -> list[str]:
     n = math.prod(mesh.values())
     where = {"device": "on every device (replicated)",
              "sharded": f"on the devices, rows split {n} ways (padded to a multiple)",
-             "host": "in host memory (counted per host process, not on the devices)"}[engram]
+             "host": HOST_ENGRAM}[engram]
     rest = assumptions(cfg, n, engram)[3:]
     return [f"mesh data={mesh['data']}, tensor={mesh['tensor']}, expert={mesh['expert']}: "
             f"weights split by dsv41_jax.sharding's table (query heads, output groups and "
@@ -333,6 +341,8 @@ def plan(cfg, *, batch: int, context: int, devices: int = 1, engram: str = "devi
     name, largest = largest_placed_tensor(cfg)
     block = min(largest, checkpoint.BLOCK_BYTES)
     host = {"Engram tables": weights["engram_tables"] if engram == "host" else 0,
+            "load: the Engram tables again while prepare_params stacks them": (
+                weights["engram_tables"] if engram == "host" else 0),
             "streamed load: one block (min(largest tensor, 1 GiB)) x 3": 3 * block}
     return {
         "config": config_name, "batch": batch, "context": context, "chunk": min(chunk, context),

@@ -36,7 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import quant, sharding, state as st
+from jax.experimental.compute_on import compute_on
+
+from dsv41_jax import checkpoint, quant, sharding, state as st
 from dsv41_jax.config import LayerGroup, LayerPlan, ModelConfig
 from dsv41_jax.layers import dspark
 from dsv41_jax.layers import engram as engram_layer
@@ -195,7 +197,7 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
         runs = []
         for start, length in g.runs:
             runs.append(jax.tree.map(
-                lambda *a: jnp.stack(a).reshape(len(g.units), length, *a[0].shape),
+                lambda *a: _stack_layers(a, (len(g.units), length)),
                 *[layers[u[start + j]] for u in g.units for j in range(length)]))
         groups.append(tuple(runs))
     out = {k: v for k, v in params.items() if k != "layers"}
@@ -207,6 +209,20 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
                          "stages": tuple(_prepare_layer(lp, linears, experts)
                                          for lp in ds["stages"])}
     return out
+
+
+def _stack_layers(arrays, shape):
+    """One leaf of a layer group: the layers' ``arrays`` stacked into leading axes ``shape``.
+    Arrays in host memory (Engram tables loaded with ``engram="host"``) are stacked on the
+    host (``compute_on("device_host")``), the result in host memory: the tables never pass
+    through the device's memory (the host holds them twice while stacking)."""
+    def stack(*a):
+        return jnp.stack(a).reshape(*shape, *a[0].shape)
+    if not all(checkpoint.in_host_memory(a) for a in arrays):
+        return stack(*arrays)
+    host = jax.memory.Space.Host
+    return jax.jit(lambda *a: compute_on(compute_type="device_host",
+                                         out_memory_spaces=host)(stack)(*a))(*arrays)
 
 
 def layer_params(prepared, cfg: ModelConfig, layer: int) -> dict:
@@ -267,15 +283,25 @@ def _stack(trees, shape):
     return jax.tree.map(lambda *a: jnp.stack(a).reshape(*shape, *a[0].shape), *trees)
 
 
+def _in_host_memory(tree) -> bool:
+    """Whether ``tree`` is a dict of arrays (no sub-dicts) all in host memory: an Engram table
+    placed with ``shard_params(..., engram="host")`` (inside a step its avals say so)."""
+    return (isinstance(tree, dict) and bool(tree) and all(
+        hasattr(a, "shape") and getattr(jax.typeof(a), "memory_space", None)
+        == jax.memory.Space.Host for a in tree.values()))
+
+
 def _pin_stacked(tree):
     """``(scanned, pinned)``: a stacked parameter tree split into what a scan slices per layer
-    and the stored-form FP8 linears (``{"fp8": ...}``, stored-form routed experts aside) and
-    the kernel-form routed experts (``{"i4": ...}``), which stay whole: the body hands them on
-    with the layer's index in the stack (``"at"``), so a decode step's GEMV and the grouped
-    matmul read the weights in place instead of a sliced copy
-    (:func:`dsv41_jax.layers.linear.linear`, :mod:`pallas_kernels.grouped_matmul`)."""
+    and the stored-form FP8 linears (``{"fp8": ...}``, stored-form routed experts aside), the
+    kernel-form routed experts (``{"i4": ...}``) and the Engram tables in host memory, which
+    stay whole: the body hands them on with the layer's index in the stack (``"at"``), so a
+    decode step's GEMV and the grouped matmul read the weights in place instead of a sliced
+    copy (:func:`dsv41_jax.layers.linear.linear`, :mod:`pallas_kernels.grouped_matmul`), and
+    the host tables are never sliced on the device (the rows a step reads are gathered on the
+    host: :func:`dsv41_jax.layers.engram.gather_rows`)."""
     if isinstance(tree, dict):
-        if "fp8" in tree or grouped_matmul.is_kernel_form(tree):
+        if "fp8" in tree or grouped_matmul.is_kernel_form(tree) or _in_host_memory(tree):
             return None, tree
         pairs = {k: (v, None) if k == "experts" and not grouped_matmul.is_kernel_form(v["w1"])
                  else _pin_stacked(v) for k, v in tree.items()}
@@ -288,7 +314,7 @@ def _unpin(scanned, pinned, at):
     back as their whole stacks and ``at`` (int32: the layer's index in the flattened stack)."""
     if pinned is None:
         return scanned
-    if "fp8" in pinned or grouped_matmul.is_kernel_form(pinned):
+    if "fp8" in pinned or grouped_matmul.is_kernel_form(pinned) or _in_host_memory(pinned):
         return {**pinned, "at": at}
     return {k: _unpin(scanned[k], pinned[k], at) for k in scanned}
 

@@ -20,7 +20,9 @@ replicated). Parameters get their logical axes by path (:data:`PARAM_RULES`, on 
   ``psum`` over ``expert`` combines (:func:`dsv41_jax.layers.moe.moe`).
 
 * Engram tables (``engram_rows``): replicated, or with ``shard_params(..., engram="sharded")``
-  their rows split over every device (:data:`ENGRAM_PLACES`).
+  their rows split over every device, or with ``engram="host"`` split the same way in the
+  devices' host memory (memory kind ``"pinned_host"``): the steps gather the rows they read on
+  the host and move only those to the device (:data:`ENGRAM_PLACES`).
 
 A dimension whose size the mesh axis does not divide is replicated instead (e.g. 4 heads on
 ``tensor = 8``), except the routed experts, whose count must divide by ``expert``
@@ -65,11 +67,18 @@ LOGICAL_AXES: dict[str, str | None] = {
 }
 
 #: Where the Engram tables' rows go (``shard_params(..., engram=)``): ``"replicated"`` (the
-#: table's entry, every device a whole table) or ``"sharded"`` (rows split over every device:
+#: table's entry, every device a whole table), ``"sharded"`` (rows split over every device:
 #: :data:`ENGRAM_ROW_AXES`; the row gather is then partitioned by the compiler, each device
-#: gathering its rows and an all-reduce adding exact zeros for the others).
-ENGRAM_PLACES = ("replicated", "sharded")
+#: gathering its rows and an all-reduce adding exact zeros for the others) or ``"host"``
+#: (split as ``"sharded"``, in the devices' host memory, :data:`HOST_MEMORY_KIND`: each
+#: device's rows in pinned host memory, one host holding the whole tables once; the step
+#: gathers the rows on the host, ``compute_on("device_host")``, and moves only those to the
+#: device: :func:`dsv41_jax.layers.engram.gather_rows`).
+ENGRAM_PLACES = ("replicated", "sharded", "host")
 ENGRAM_ROW_AXES = MESH_AXES
+#: The memory kind of the Engram tables with ``engram="host"``.
+HOST_MEMORY_KIND = "pinned_host"
+_ENGRAM_TABLE = re.compile(r"engram/embed/(weight|scale)$")
 
 #: Parameter path (a regular expression, full match, on the leaf's path in the prepared tree
 #: with ``layer_groups/<group>/<run>/`` removed) -> the logical axes of the leaf's dimensions
@@ -174,6 +183,24 @@ def logical_axes_table(engram: str = "replicated") -> dict:
     return dict(LOGICAL_AXES, engram_rows=ENGRAM_ROW_AXES)
 
 
+def host_memory_kind(device: Any) -> str:
+    """:data:`HOST_MEMORY_KIND` if ``device`` (a ``jax.Device``, e.g. a mesh's
+    ``mesh.devices.flat[0]``) has that memory (GPUs, TPUs; JAX 0.11's CPU devices too), else
+    ``ValueError`` naming the backend and the memories it has."""
+    kinds = sorted(m.kind for m in device.addressable_memories())
+    if HOST_MEMORY_KIND not in kinds:
+        raise ValueError(f"engram='host' needs the memory kind {HOST_MEMORY_KIND!r}, which "
+                         f"the {device.platform} backend's devices do not have (they have "
+                         f"{kinds}); use engram='sharded' or 'replicated'")
+    return HOST_MEMORY_KIND
+
+
+def is_engram_table(path: str) -> bool:
+    """Whether the parameter at ``path`` (``"layer_groups/0/1/engram/embed/weight"``) is an
+    Engram table (its FP8 rows or their E8M0 scales)."""
+    return bool(_ENGRAM_TABLE.search(path))
+
+
 def _axes_size(mesh, axis) -> int:
     """The size of a mesh axis or of a tuple of mesh axes (their product)."""
     if isinstance(axis, tuple):
@@ -231,10 +258,16 @@ def param_specs(params, mesh: Mesh, *, engram: str = "replicated"):
 
 
 def param_shardings(params, mesh: Mesh, *, engram: str = "replicated"):
-    """:func:`param_specs` as :class:`NamedSharding` s on ``mesh``."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, mesh,
-                                                                      engram=engram),
-                        is_leaf=lambda s: isinstance(s, P))
+    """:func:`param_specs` as :class:`NamedSharding` s on ``mesh``; with ``engram="host"``
+    the Engram tables' in the memory kind :func:`host_memory_kind` (``ValueError`` on a
+    backend without it)."""
+    host = host_memory_kind(mesh.devices.flat[0]) if engram == "host" else None
+
+    def one(path, spec):
+        kind = host if host and is_engram_table(_path_str(path)) else None
+        return NamedSharding(mesh, spec, memory_kind=kind)
+    return jax.tree_util.tree_map_with_path(one, param_specs(params, mesh, engram=engram),
+                                            is_leaf=lambda s: isinstance(s, P))
 
 
 def on_mesh(params, mesh: Mesh) -> bool:
@@ -252,13 +285,39 @@ def _pad_engram_rows(params, mesh: Mesh):
     n = _axes_size(mesh, ENGRAM_ROW_AXES)
 
     def pad(path, x):
-        if not re.search(r"engram/embed/(weight|scale)$", _path_str(path)) or \
+        if not is_engram_table(_path_str(path)) or \
                 x.shape[-2] % n == 0:
             return x
         width = [(0, 0)] * x.ndim
         width[-2] = (0, -x.shape[-2] % n)
         return (jnp.pad if isinstance(x, jax.Array) else np.pad)(x, width)
     return jax.tree_util.tree_map_with_path(pad, params)
+
+
+def checkpoint_sharding(name: str, shape: tuple, mesh: Mesh, *, engram: str = "replicated"
+                        ) -> tuple[tuple, NamedSharding]:
+    """Where the sliced loader (:func:`dsv41_jax.checkpoint.stream_params` with a mesh) puts
+    one reference checkpoint tensor: ``(global shape, NamedSharding)``. ``name``: the
+    tensor's name as stored (``"layers.3.attn.wq_b.weight"``), or a layer's stacked routed
+    experts (``"layers.3.ffn.experts.w1.scale"``, ``[E, ...]``). The spec is the one of the
+    prepared leaf it becomes: :data:`PARAM_RULES` on its path within the layer (the
+    ``layers.N.`` prefix dropped; the two stack axes that :func:`dsv41_jax.model.prepare_params`
+    adds are never split), so the FP8 / FP4 weights and their E8M0 scales are each split by
+    their own rule. The Engram tables (``engram.embed.weight`` / ``.scale``) with ``engram``
+    ``"sharded"`` or ``"host"`` get their rows padded to a multiple of the device count and
+    split over every device (``"host"``: in the memory kind :func:`host_memory_kind`, so they
+    never pass through the devices' memory). ``mtp.*`` (DSpark) and vision tensors match no
+    rule: replicated."""
+    path = re.sub(r"^layers\.\d+\.", "", name).replace(".", "/")
+    shape = tuple(shape)
+    table = "sharded" if engram == "host" else engram
+    if table == "sharded" and is_engram_table(path) and len(shape) >= 2:
+        n = _axes_size(mesh, ENGRAM_ROW_AXES)
+        shape = shape[:-2] + (-(-shape[-2] // n) * n,) + shape[-1:]
+    spec = spec_for(param_logical_axes(path, len(shape)), shape, mesh, engram=table)
+    kind = (host_memory_kind(mesh.devices.flat[0]) if engram == "host"
+            and is_engram_table(path) else None)
+    return shape, NamedSharding(mesh, spec, memory_kind=kind)
 
 
 def check_experts(cfg: ModelConfig, mesh: Mesh | None):
@@ -269,28 +328,36 @@ def check_experts(cfg: ModelConfig, mesh: Mesh | None):
                          f"mesh's expert axis ({ep}): each expert shard holds whole experts")
 
 
-def shard_params(params, cfg: ModelConfig, mesh: Mesh, *, engram: str = "replicated"):
+def shard_params(params, cfg: ModelConfig, mesh: Mesh, *, engram: str = "replicated",
+                 reshard: bool = False):
     """``params`` prepared by :func:`dsv41_jax.model.prepare_params` placed on ``mesh`` by
     :func:`param_shardings` (``jax.device_put``). A tree already on the mesh
     (:func:`on_mesh`) is returned as it is, so the entry points keep a placement made
-    beforehand (e.g. with ``engram="sharded"``).
+    beforehand (e.g. with ``engram="sharded"``), unless ``reshard``: then every leaf is put
+    where the table says (on the device when it is already there, no copy): for a tree
+    prepared from the sliced loader's (:func:`dsv41_jax.checkpoint.stream_params` with a
+    mesh), whose stacked leaves have the shardings the compiler gave ``prepare_params``' ops.
 
-    ``engram`` (:data:`ENGRAM_PLACES`): ``"replicated"`` (default) or ``"sharded"``: the
+    ``engram`` (:data:`ENGRAM_PLACES`): ``"replicated"`` (default), ``"sharded"``: the
     Engram tables' rows split over every device, each table first padded with zero rows to a
-    multiple of the device count (never read: the hashed ids stay below the real rows).
+    multiple of the device count (never read: the hashed ids stay below the real rows), or
+    ``"host"``: split the same way in the devices' host memory (:func:`host_memory_kind`).
 
     Raises ``ValueError`` for a tree not prepared (no ``layer_groups``), a mesh not of
     :func:`make_mesh`, routed experts that the ``expert`` axis does not divide, or an
-    ``engram`` not in :data:`ENGRAM_PLACES`."""
+    ``engram`` not in :data:`ENGRAM_PLACES`, or ``engram="host"`` on a backend whose devices
+    have no host memory kind (:func:`host_memory_kind`)."""
     check_mesh(mesh)
     check_experts(cfg, mesh)
     logical_axes_table(engram)
+    if engram == "host":
+        host_memory_kind(mesh.devices.flat[0])
     if "layer_groups" not in params:
         raise ValueError("params must be prepared (dsv41_jax.model.prepare_params(params, cfg)) "
                          "before shard_params: it places the stacked layer groups")
-    if on_mesh(params, mesh):
+    if not reshard and on_mesh(params, mesh):
         return params
-    if engram == "sharded":
+    if engram in ("sharded", "host"):
         params = _pad_engram_rows(params, mesh)
     return jax.device_put(params, param_shardings(params, mesh, engram=engram))
 

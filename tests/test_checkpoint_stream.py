@@ -272,6 +272,41 @@ _CHILD = textwrap.dedent(r"""
 """)
 
 
+_SLICED_CHILD = textwrap.dedent(r"""
+    import ctypes, gc, json, sys
+    import jax
+    from dsv41_jax import checkpoint, sharding
+    from dsv41_jax.config import ModelConfig
+
+    def status():
+        out = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "VmHWM"):
+                    out[k] = int(v.split()[0]) * 1024
+        return out
+
+    d = sys.argv[1]
+    cfg = ModelConfig.from_json(d + "/config.json")
+    mesh = sharding.make_mesh(expert=8)
+    res = {}
+    for label in ("cold", "sliced"):
+        gc.collect()
+        ctypes.CDLL(None).malloc_trim(0)
+        base = status()["VmRSS"]
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                        # VmHWM := VmRSS
+        params = checkpoint.load_params(d, cfg, mesh=mesh)[1]
+        jax.block_until_ready(params)
+        # every device's part (8 host devices: a replicated tensor is held 8 times)
+        placed = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
+        res[label] = dict(placed=placed, peak_increase=status()["VmHWM"] - base)
+        del params
+    print(json.dumps(res))
+""")
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
                     reason="needs Linux /proc (VmRSS, VmHWM and resetting VmHWM)")
 def test_streamed_load_peak_host_memory(tmp_path):
@@ -303,6 +338,11 @@ def test_streamed_load_peak_host_memory(tmp_path):
     for the runtime's noise (a thread the runtime starts takes ~8 MB of stack and arena); the
     checkpoint is ~4.4 x that. Measured on the development machine: ~9-10 MB whole-tensor
     (about the 8.4 MB largest tensor), 2-9 MB blocked, ~185 MB in memory.
+
+    Sliced onto a mesh (``load_params(..., mesh=make_mesh(expert=8))``, 8 host CPU devices, in
+    a second subprocess; VmHWM only, the parts placed being every device's shards): the peak
+    beyond the placed parts stays under 3 x the largest part one device reads + 16 MB
+    (measured: ~4 MB).
     """
     cfg = _cfg().replace(dim=256, moe_inter_dim=512, n_routed_experts=128, vocab_size=16384)
     exp = checkpoint.expected_tensors(cfg)
@@ -316,6 +356,10 @@ def test_streamed_load_peak_host_memory(tmp_path):
     total = sum(a.nbytes for a in tensors.values())
     largest = max([a.nbytes for n, a in tensors.items() if ".experts." not in n]
                   + [E * a.nbytes for n, a in tensors.items() if ".experts.0." in n])
+    # the largest part one device reads on a mesh expert=8: a replicated tensor whole, an
+    # expert stack an eighth
+    largest_part = max([a.nbytes for n, a in tensors.items() if ".experts." not in n]
+                       + [E * a.nbytes // 8 for n, a in tensors.items() if ".experts.0." in n])
     _write_sharded(tmp_path / "ck", cfg, tensors, 4)
     del tensors
     assert 150e6 < total < 220e6 and largest * 8 < total
@@ -339,6 +383,18 @@ def test_streamed_load_peak_host_memory(tmp_path):
     m = res["in_memory"]
     assert m["max_transient"] > 0.8 * total, report
     assert m["peak_increase"] - m["placed"] > 0.8 * total, report
+
+    # sliced onto a mesh of 8 host devices (experts split 8 ways, the rest replicated): the
+    # host holds about one device's part of one tensor beyond the placed parts (measured on
+    # the development machine: ~4 MB)
+    env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                        + " --xla_force_host_platform_device_count=8").strip()
+    r = subprocess.run([sys.executable, "-c", _SLICED_CHILD, str(tmp_path / "ck")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sliced = json.loads(r.stdout.strip().splitlines()[-1])["sliced"]
+    print(f"sliced onto 8 devices: {({k: round(v / MB, 1) for k, v in sliced.items()})}")
+    assert sliced["peak_increase"] - sliced["placed"] < 3 * largest_part + 16 * MB, sliced
 
 
 def test_blocked_placement(small, tmp_path):
@@ -364,3 +420,27 @@ def test_blocked_placement(small, tmp_path):
     assert sizes["norm.weight"] == [D]
     with pytest.raises(ValueError, match="block_bytes must be an integer >= 1, got 0"):
         checkpoint.load_params(tmp_path / "ck", block_bytes=0)
+
+
+def test_read_slice_reads_its_part(tmp_path):
+    """``read_slice``: a part of a tensor (bf16, FP8, E8M0, fp32, an empty range) equals
+    that part of the whole tensor, as a new array (not a view of the mapped file);
+    ``slice_bounds`` turns a device's index into bounds and refuses steps other than 1."""
+    rng = np.random.default_rng(0)
+    tensors = {"a.weight": rng.normal(0, 1, (40, 24)).astype(ml_dtypes.float8_e4m3fn),
+               "a.scale": rng.integers(100, 140, (2, 1)).astype(np.uint8),
+               "b": rng.normal(0, 1, (5, 3, 8)).astype(ml_dtypes.bfloat16),
+               "c": np.array([3.5], np.float32)}
+    checkpoint.write_safetensors(tmp_path / "t.safetensors", tensors)
+    index = checkpoint.read_header(tmp_path / "t.safetensors")
+    for name, idx in [("a.weight", (slice(8, 16), slice(0, 24))), ("a.weight", (slice(None),)),
+                      ("a.scale", (slice(1, 2),)), ("b", (slice(2, 5), slice(1, 3), slice(4, 8))),
+                      ("b", (slice(3, 3),)), ("c", (slice(0, 1),))]:
+        a = tensors[name]
+        got = checkpoint.read_slice(index[name], checkpoint.slice_bounds(idx, a.shape))
+        assert got.dtype == a.dtype and got.base is None
+        np.testing.assert_array_equal(got.view(np.uint8), np.ascontiguousarray(a[idx]).view(
+            np.uint8))
+    assert checkpoint.slice_bounds((slice(None), slice(2, None)), (4, 6)) == ((0, 4), (2, 6))
+    with pytest.raises(ValueError, match="step 2"):
+        checkpoint.slice_bounds((slice(0, 4, 2),), (4,))

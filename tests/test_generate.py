@@ -396,6 +396,7 @@ def _refused(argv, capsys) -> str:
     (["--compile-cache", SMALL], f"argument --compile-cache: {os.path.abspath(SMALL)} is not a "
                                  "directory"),
     (["--converted", SMALL], f"argument --converted: {SMALL} is not a directory"),
+    (["--engram", "host"], "argument --engram: only with --mesh"),
     (["--mesh", "tensor=2,tensor=4"], "argument --mesh: mesh axis 'tensor' given twice"),
     (["--mesh", "tensor"], "argument --mesh: 'tensor' is not axis=size (e.g. 'tensor=2')"),
     (["--mesh", ""], "argument --mesh: empty mesh spec ''"),

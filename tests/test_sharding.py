@@ -6,10 +6,10 @@ The sharded checks need 8 devices: on the CPU, ``--xla_force_host_platform_devic
 which must be in ``XLA_FLAGS`` before JAX starts its backend. When this module is run in a
 process with fewer devices (the usual test run), :func:`test_sharded_in_subprocess` runs the
 module again in a subprocess with the flag set, and the 8-device tests skip in the parent.
-Slow: about 3.5 minutes on 2 CPU cores, nearly all of it compiling (the single-device reference
+Slow: about 4 minutes on 2 CPU cores, nearly all of it compiling (the single-device reference
 and four meshes, a prefill and a decode step each, on the smallest config with every layer
 role; the generation loop on one device and two meshes, ~15 s each; the MoE checks take 15 s;
-the orbax round trip 7 s).
+the orbax round trip 7 s; the sliced loading 12 s).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ needs_8 = pytest.mark.skipif(not HAVE_8, reason="needs 8 devices: run by "
 #: (data, tensor, expert) meshes of the model checks.
 MESHES = [(1, 8, 1), (1, 2, 4), (2, 2, 2), (8, 1, 1)]
 #: where the model checks put the Engram tables' rows per mesh (shard_params' engram=): split
-#: over all 8 devices on (2, 2, 2), replicated on the others
-ENGRAM = {(2, 2, 2): "sharded"}
+#: over all 8 devices on (2, 2, 2), split the same way in host memory on (1, 2, 4) (the rows a
+#: step reads gathered on the host), replicated on the others
+ENGRAM = {(2, 2, 2): "sharded", (1, 2, 4): "host"}
 
 
 def _shard_params(params, cfg, shape):
@@ -148,18 +149,52 @@ def test_param_logical_axes():
 
 
 def test_engram_places():
-    """The Engram rows' entry of the table: replicated, or split over every mesh axis; an
-    unknown place is refused."""
+    """The Engram rows' entry of the table: replicated, or split over every mesh axis (on the
+    devices or in their host memory); an unknown place is refused."""
     assert sharding.logical_axes_table()["engram_rows"] is None
     assert sharding.logical_axes_table("sharded")["engram_rows"] == sharding.MESH_AXES
-    with pytest.raises(ValueError, match=r"engram must be one of \('replicated', 'sharded'\), "
-                                         "got 'host'"):
-        sharding.logical_axes_table("host")
+    assert sharding.logical_axes_table("host")["engram_rows"] == sharding.MESH_AXES
+    with pytest.raises(ValueError, match=r"engram must be one of \('replicated', 'sharded', "
+                                         r"'host'\), got 'disk'"):
+        sharding.logical_axes_table("disk")
     plan = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
     assert sharding.spec_for(("engram_rows", None), (16, 4), plan, engram="sharded") == P(
         sharding.MESH_AXES)
     assert sharding.spec_for(("engram_rows", None), (12, 4), plan, engram="sharded") == P()
     assert sharding.spec_for(("engram_rows", None), (16, 4), plan) == P()
+
+
+def test_engram_host_memory_kind(monkeypatch):
+    """``engram="host"``: the Engram tables (and nothing else) get the ``pinned_host`` memory
+    kind in ``param_shardings``; on a backend whose devices have no such memory the placement
+    is refused with a ValueError naming the backend and its memories (faked here: JAX 0.11's
+    CPU devices have one)."""
+    one = sharding.make_mesh(devices=jax.devices()[:1])
+    assert sharding.host_memory_kind(jax.devices()[0]) == "pinned_host"   # JAX 0.11 CPU too
+    tree = {"layer_groups": ({"engram": {"embed": {"weight": np.zeros((1, 1, 16, 32), np.uint8),
+                                                   "scale": np.zeros((1, 1, 16, 1), np.uint8)},
+                                         "q_weight": np.zeros((2, 8), np.float32)}},),
+            "head": {"weight": np.zeros((8, 4), np.float32)}}
+    kinds = {jax.tree_util.keystr(k): s.memory_kind for k, s in jax.tree_util.tree_leaves_with_path(
+        sharding.param_shardings(tree, one, engram="host"))}
+    assert {k for k, v in kinds.items() if v == "pinned_host"} == {
+        "['layer_groups'][0]['engram']['embed']['scale']",
+        "['layer_groups'][0]['engram']['embed']['weight']"}
+    assert all(s.memory_kind in (None, "device")
+               for s in jax.tree.leaves(sharding.param_shardings(tree, one)))
+
+    class Memory:
+        kind = "device"
+
+    class Device:
+        platform = "fakeaccel"
+
+        def addressable_memories(self):
+            return [Memory()]
+    with pytest.raises(ValueError, match=r"engram='host' needs the memory kind 'pinned_host', "
+                                         r"which the fakeaccel backend's devices do not have "
+                                         r"\(they have \['device'\]\)"):
+        sharding.host_memory_kind(Device())
 
 
 # ----------------------------------------------------------------------------- the MoE alone
@@ -264,11 +299,18 @@ def test_sharded_prefill_decode_bitwise(tiny, single, shape):
     data = shape[0]
     B = N_DEV if data == N_DEV else 2
     mesh, sp = _shard_params(params, cfg, shape)
-    if ENGRAM.get(shape) == "sharded":   # the tables' rows really split over the 8 devices
-        table = next(v for k, v in jax.tree_util.tree_leaves_with_path(sp)
-                     if jax.tree_util.keystr(k).endswith("['engram']['embed']['weight']"))
-        assert table.sharding.spec[2] == sharding.ENGRAM_ROW_AXES   # [units, layers, rows, E]
-        assert table.addressable_shards[0].data.shape[-2] == table.shape[-2] // N_DEV
+    if ENGRAM.get(shape) in ("sharded", "host"):   # the rows really split over the 8 devices
+        tables = [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_leaves_with_path(sp)
+                  if "['engram']['embed']" in jax.tree_util.keystr(k)]
+        assert len(tables) == 2   # the FP8 rows and their E8M0 scales
+        for name, table in tables:
+            assert table.sharding.spec[2] == sharding.ENGRAM_ROW_AXES   # [units, layers, rows, .]
+            assert table.addressable_shards[0].data.shape[-2] == table.shape[-2] // N_DEV
+            assert table.sharding.memory_kind == ("pinned_host" if ENGRAM[shape] == "host"
+                                                  else "device"), name
+        # nothing else in host memory
+        assert sum(v.sharding.memory_kind == "pinned_host" for v in jax.tree.leaves(sp)) == (
+            2 if ENGRAM[shape] == "host" else 0)
         # the entry points keep a tree already on the mesh: the run reads the split tables
         assert sharding.shard_params(sp, cfg, mesh) is sp
     logits, state = _run(cfg, sp, tokens[:B], lengths[:B], steps, mesh=mesh,
@@ -402,3 +444,88 @@ def test_converted_round_trip(tiny, tmp_path):
         converted.restore_converted(d, cfg, source="ckpt")
     with pytest.raises(ValueError, match="holds no converted parameters"):
         converted.restore_converted(tmp_path, cfg)
+
+
+# ----------------------------------------------------------------------------- sliced loading
+
+
+@needs_8
+def test_sliced_load_bitwise(tmp_path, monkeypatch):
+    """Loading a checkpoint (two files) with a mesh reads each device's part of each tensor
+    alone (every read of ``read_slice`` recorded: its bounds are a device's index of the
+    tensor's sharding, and a split tensor is never read whole) and, prepared and placed, gives
+    the tree of the unsharded load + ``prepare_params`` + ``shard_params`` bit for bit, every
+    leaf in the same sharding: on (2, 2, 2) with the Engram rows split (padded) in host
+    memory (read, stacked and placed there, never in the devices' memory), and on
+    (1, 8, 1), where ``wq_b``'s FP8 rows split 8 ways with their E8M0 scale rows (32 rows per
+    scale row)."""
+    from dsv41_jax import checkpoint, random_weights
+    from tree_checks import assert_trees_bitwise_equal
+
+    cfg, _ = tiny_config("shrink")
+    cfg = cfg.replace(n_routed_experts=8, n_activated_experts=2)
+    flat = random_weights.random_tensors(cfg, 0)
+    names = list(flat)
+    d = tmp_path / "ck"
+    d.mkdir()
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        checkpoint.write_safetensors(d / f"model-{i}.safetensors", {n: flat[n] for n in part})
+    tmap = identity_token_map(cfg.vocab_size)
+    reads = []
+    real = checkpoint.read_slice
+
+    def recorded(entry, bounds):
+        out = real(entry, bounds)
+        reads.append((entry.name, bounds, out.nbytes))
+        return out
+    monkeypatch.setattr(checkpoint, "read_slice", recorded)
+    for shape, engram in [((2, 2, 2), "host"), ((1, 8, 1), "replicated")]:
+        mesh = sharding.make_mesh(*shape)
+        _, want = checkpoint.load_params(d, cfg, tokenizer_map=tmap)
+        want = sharding.shard_params(model.prepare_params(want, cfg), cfg, mesh, engram=engram)
+        reads.clear()
+        _, raw = checkpoint.load_params(d, cfg, tokenizer_map=tmap, mesh=mesh, engram=engram)
+        got = sharding.shard_params(model.prepare_params(raw, cfg), cfg, mesh, engram=engram,
+                                    reshard=True)
+        assert_trees_bitwise_equal(want, got, f"sliced load on {shape}")
+        if engram == "host":   # loaded straight into host memory, before shard_params
+            assert all(checkpoint.in_host_memory(raw["layers"][1]["engram"]["embed"][k])
+                       for k in ("weight", "scale"))
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+            assert b.sharding == a.sharding, (jax.tree_util.keystr(path), b.sharding)
+        by_name = {}
+        for name, bounds, nbytes in reads:
+            by_name.setdefault(name, []).append((bounds, nbytes))
+        wq_b = "layers.1.attn.wq_b"
+        T = shape[1]
+        for n in (f"{wq_b}.weight", f"{wq_b}.scale"):   # rows split over tensor, never whole
+            full, where = sharding.checkpoint_sharding(n, flat[n].shape, mesh)
+            parts = {checkpoint.slice_bounds(i, full)
+                     for i in where.devices_indices_map(full).values()}
+            assert {b for b, _ in by_name[n]} == parts and len(parts) == T
+            assert max(nb for _, nb in by_name[n]) == flat[n].nbytes // T
+        # each device reads its experts only: expert e of layer 1 once per device holding it
+        counts = [len(by_name[f"layers.1.ffn.experts.{e}.w1.weight"]) for e in range(8)]
+        assert counts == [N_DEV // shape[2]] * 8
+        table = "layers.1.engram.embed.weight"
+        rows = [b[0][1] - b[0][0] for b, _ in by_name[table]]
+        if engram == "host":   # rows over all 8 devices, the padded ones never read
+            assert len(rows) == N_DEV and max(rows) == -(-flat[table].shape[0] // N_DEV)
+            assert sum(rows) == flat[table].shape[0]
+        else:
+            assert rows == [flat[table].shape[0]] * N_DEV
+    # a host-memory part above block_bytes, padded with a row per device: built block by
+    # block on the host, the padding zeros
+    name = "layers.1.engram.embed.weight"
+    e = checkpoint.checkpoint_index(d)[name]
+    _, where = sharding.checkpoint_sharding(name, e.shape, mesh, engram="host")
+    assert where.memory_kind == "pinned_host" and where.spec == P(sharding.ENGRAM_ROW_AXES)
+    full = (e.shape[0] + N_DEV,) + e.shape[1:]
+    table = checkpoint._place_parts(name, full, e.dtype, checkpoint._padded_reader(
+        lambda b: real(e, b), e.shape), where, block_bytes=8 * e.shape[1])
+    assert table.sharding == where and checkpoint.in_host_memory(table)
+    np.testing.assert_array_equal(np.asarray(table)[:e.shape[0]].view(np.uint8),
+                                  flat[name].view(np.uint8))
+    assert not np.asarray(table)[e.shape[0]:].view(np.uint8).any()
+    with pytest.raises(ValueError, match="place and mesh are exclusive"):
+        checkpoint.load_params(d, cfg, tokenizer_map=tmap, mesh=mesh, place=lambda n, h: h)

@@ -12,7 +12,9 @@ format (``config.json`` + ``*.safetensors``).
     dsv41-generate --checkpoint DIR --speculative --drafts auto --temperature 0.6
 
 ``--mesh`` runs on a device mesh (tensor, expert and data parallelism; docs/architecture.md,
-"Sharding"); ``--converted DIR`` saves the converted parameters with orbax on the first start
+"Sharding"), each device reading only its part of each checkpoint tensor; ``--engram
+sharded|host`` splits the Engram tables' rows over the devices, in their memory or in their
+pinned host memory; ``--converted DIR`` saves the converted parameters with orbax on the first start
 and restores them on the next ones straight into the mesh's shardings, skipping the checkpoint
 reading and the load-time conversions. ``--speculative`` drafts with the DSpark head and
 verifies the drafts in one main-model call each (:func:`dsv41_jax.generation.generate_speculative`;
@@ -226,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "of devices; an axis left out is 1): tensor splits the query heads, "
                          "output groups and vocabulary, expert the routed experts, data the "
                          "prompts (docs/architecture.md, 'Sharding'); default: one device")
+    ap.add_argument("--engram", choices=sharding.ENGRAM_PLACES, default="replicated",
+                    help="with --mesh, where the Engram tables go: on every device "
+                         "(replicated, default), rows split over the devices (sharded), or "
+                         "split the same way in the devices' pinned host memory, each step "
+                         "gathering the rows it reads on the host (host)")
     return ap
 
 
@@ -287,6 +294,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
         ap.error("argument --thinking: only with --chat")
     if args.system is not None and not args.chat:
         ap.error("argument --system: only with --chat")
+    if args.engram != "replicated" and args.mesh is None:
+        ap.error("argument --engram: only with --mesh")
     if args.chat:
         try:
             for t in args.texts:
@@ -522,16 +531,18 @@ def load_prepared(args: argparse.Namespace, cfg: ModelConfig, mesh=None):
         source = (f"SEEDED RANDOM WEIGHTS (seed {args.seed}, config {os.path.basename(args.config)})"
                   ": the text is noise; pass --checkpoint DIR for real weights")
     if args.converted and converted.converted_info(args.converted) is not None:
-        params = converted.restore_converted(args.converted, cfg, mesh=mesh, source=origin)
+        params = converted.restore_converted(args.converted, cfg, mesh=mesh, source=origin,
+                                             engram=args.engram)
         return cfg, params, source + f"; converted parameters restored from {args.converted}"
-    if args.checkpoint:
-        cfg, params = checkpoint.load_params(args.checkpoint, cfg)
+    if args.checkpoint:   # with a mesh, each device reads only its part of each tensor
+        cfg, params = checkpoint.load_params(args.checkpoint, cfg, mesh=mesh,
+                                             engram=args.engram)
     else:
         params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, args.seed),
                                                 cfg)
     params = model.prepare_params(params, cfg)
     if mesh is not None:
-        params = sharding.shard_params(params, cfg, mesh)
+        params = sharding.shard_params(params, cfg, mesh, engram=args.engram, reshard=True)
     if args.converted:
         converted.save_converted(args.converted, params, cfg, source=origin)
         source += f"; converted parameters saved to {args.converted}"
@@ -681,6 +692,11 @@ def main(argv=None) -> int:
         ap.error(f"argument --prompts-file: {e}")
     if args.mesh is not None:
         check_mesh_arg(ap, args.mesh, cfg, batch=len(rows))
+    if args.engram == "host":
+        try:
+            sharding.host_memory_kind(jax.devices()[0])
+        except ValueError as e:
+            ap.error(f"argument --engram: {e}")
     if args.cache_dir is None:
         compile_cache.disable()
     else:

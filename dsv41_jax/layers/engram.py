@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
+from jax.experimental.compute_on import compute_on
 
 from dsv41_jax import quant
 from dsv41_jax.layers.linear import linear
@@ -258,6 +259,33 @@ def engram_init_history(batch: int, max_ngram: int) -> Int[Array, "B P"]:
 # ----------------------------------------------------------------------------- forward
 
 
+def gather_rows(table: dict, ids: Int[Array, "B S G"]) -> tuple[jax.Array, jax.Array]:
+    """The rows ``ids`` of one Engram table: ``(weight[ids], scale[ids])``, float8_e4m3fn
+    ``[B, S, G, E]`` and uint8 ``[B, S, G, E/32]``, on the device.
+
+    ``table``: ``{"weight": [rows, E], "scale": [rows, E/32]}`` (on the device), or a table
+    in host memory (``shard_params(..., engram="host")``) handed whole with its layer's index
+    in the stack: ``{"weight": [..., rows, E], "scale": [..., rows, E/32], "at": int32}``.
+    Then the gather runs on the host (``compute_on("device_host")``, the ids moved there, the
+    table's rows split over the devices gathered by each for its rows and summed with exact
+    zeros, as on the device) and only the gathered rows move to the device: a step reads
+    ``B * S * G`` rows, never the table (docs/architecture.md, "Sharding")."""
+    if "at" not in table:
+        return table["weight"][ids], table["scale"][ids]
+    host = jax.memory.Space.Host
+
+    @compute_on(compute_type="device_host", out_memory_spaces=(host, host))
+    def on_host(w, s, at, ids):
+        w = w.reshape(-1, *w.shape[-2:])
+        s = s.reshape(-1, *s.shape[-2:])
+        return w[at][ids], s[at][ids]
+
+    rows, scales = on_host(table["weight"], table["scale"], jax.device_put(table["at"], host),
+                           jax.device_put(ids, host))
+    return (jax.device_put(rows, jax.memory.Space.Device),
+            jax.device_put(scales, jax.memory.Space.Device))
+
+
 def engram_forward(p: dict, x: Float[Array, "B S C D"], ids: Int[Array, "B S G"],
                    token_mask: Bool[Array, "B S"] | None, cfg) -> Float[Array, "B S C D"]:
     """One Engram layer on the hc streams, run before its block (docs/architecture.md,
@@ -280,8 +308,7 @@ def engram_forward(p: dict, x: Float[Array, "B S C D"], ids: Int[Array, "B S G"]
     b, s, c, d = x.shape
     eps = cfg.norm_eps
     with jax.named_scope("engram"):
-        rows = p["embed"]["weight"][ids]                            # [B, S, G, E] fp8
-        scales = p["embed"]["scale"][ids]                           # [B, S, G, E/32]
+        rows, scales = gather_rows(p["embed"], ids)     # [B, S, G, E] fp8, [B, S, G, E/32]
         emb = quant.fp8_dequantize(rows, scales, 32, BF16).reshape(b, s, -1)
         kv = linear(emb, p["wkv"])                                  # bf16 [B, S, (C+1)*D]
         key_bscd = kv[..., : c * d].astype(F32).reshape(b, s, c, d)
