@@ -217,12 +217,8 @@ def test_write_refuses_a_dtype_the_format_does_not_store(tmp_path):
 
 # ----------------------------------------------------------------------------- peak host memory
 
-_CHILD = textwrap.dedent(r"""
-    import ctypes, gc, json, sys
-    import jax
-    from dsv41_jax import checkpoint
-    from dsv41_jax.config import ModelConfig
-
+# the children's memory reading: resident and peak-resident bytes of the process
+_STATUS = textwrap.dedent(r"""
     def status():
         out = {}
         with open("/proc/self/status") as f:
@@ -231,6 +227,13 @@ _CHILD = textwrap.dedent(r"""
                 if k in ("VmRSS", "VmHWM"):
                     out[k] = int(v.split()[0]) * 1024
         return out
+""")
+
+_CHILD = _STATUS + textwrap.dedent(r"""
+    import ctypes, gc, json, sys
+    import jax
+    from dsv41_jax import checkpoint
+    from dsv41_jax.config import ModelConfig
 
     def live():
         return sum(a.nbytes for a in jax.live_arrays())
@@ -272,20 +275,11 @@ _CHILD = textwrap.dedent(r"""
 """)
 
 
-_SLICED_CHILD = textwrap.dedent(r"""
+_SLICED_CHILD = _STATUS + textwrap.dedent(r"""
     import ctypes, gc, json, sys
     import jax
     from dsv41_jax import checkpoint, sharding
     from dsv41_jax.config import ModelConfig
-
-    def status():
-        out = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmRSS", "VmHWM"):
-                    out[k] = int(v.split()[0]) * 1024
-        return out
 
     d = sys.argv[1]
     cfg = ModelConfig.from_json(d + "/config.json")
