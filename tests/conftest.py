@@ -63,6 +63,40 @@ def tiny_a_bf16():
     return parity.load_fixture_dir(fixture_dir("tiny-a-bf16"))
 
 
+# -- compiled programs released between modules ------------------------------------------
+# XLA's CPU backend maps every kernel of every compiled program into memory (about two mappings
+# per fusion), and Linux caps a process at vm.max_map_count mappings (65,530 by default). A
+# worker that runs many modules' programs without releasing them reaches the cap; past it,
+# XLA's compiler crashes (SIGSEGV / SIGABRT) or a thread it needs cannot start and the worker
+# hangs. So each module's compiled programs are dropped when the module ends.
+MAP_COUNT_WARN = 40_000
+
+
+def _mapping_count() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:         # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    import gc
+
+    import jax
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+    n = _mapping_count()
+    if n > MAP_COUNT_WARN:
+        import warnings
+        warnings.warn(f"{n} memory mappings after a module's compiled programs were released "
+                      f"(vm.max_map_count is usually 65,530): something still holds compiled "
+                      f"programs", RuntimeWarning, stacklevel=1)
+
+
 # -- two workers (scripts/test.sh: pytest-xdist, --dist loadgroup) ---------------------------
 # A test module's tests share compiled functions and session fixtures, so each module runs on
 # one worker (its own group), except the fixture-parity directories (3-4.5 min each, half the
