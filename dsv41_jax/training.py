@@ -312,9 +312,10 @@ def _kl(target, score, allowed):
 
 
 def _attention(p, x, role: LayerRole, cfg: ModelConfig, freqs, sources: dict, bus: dict,
-               qat: bool = False):
+               qat: bool = False, record: dict | None = None):
     """One CSA2 attention sublayer in training mode. Returns ``(out [B,S,D], distill loss or
-    None)`` and updates ``sources`` / ``bus`` (dicts) in place."""
+    None)`` and updates ``sources`` / ``bus`` (dicts) in place; ``record``: a dict to store
+    the layer's attention intermediates in (:func:`train_forward`'s ``collect``)."""
     B, S, _ = x.shape
     H, K, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -346,11 +347,15 @@ def _attention(p, x, role: LayerRole, cfg: ModelConfig, freqs, sources: dict, bu
             score = _index_scores(p["indexer"], x, qr, cfg, cos, sin, src, qat)
             score = jnp.where(vis, score, NEG_INF)
             allowed = vis
+            if record is not None:
+                record["index_score"] = score
             if role.is_candidate_source:
                 bus["candidates"], _ = indexer.candidate_pool(
                     jax.lax.stop_gradient(score), visible, cfg.candidate_topk_blocks,
                     cfg.candidate_block_size)
             if role.uses_candidates:
+                if record is not None:
+                    record["candidates"] = bus["candidates"]
                 allowed = vis & bus["candidates"]
                 score = jnp.where(allowed, score, NEG_INF)
             topk = indexer.select_topk(jax.lax.stop_gradient(score), cfg.index_topk)
@@ -367,11 +372,19 @@ def _attention(p, x, role: LayerRole, cfg: ModelConfig, freqs, sources: dict, bu
             pt = pt / jnp.maximum(jnp.sum(pt, axis=-1, keepdims=True), 1e-30)
             distill = _kl(pt, score, allowed)
         sel = bus["selected"] & vis
+        if record is not None:
+            record.update(global_logits=jnp.where(vis[:, :, None, :], g, NEG_INF),
+                          visible=vis, selected=sel)
         logits.append(jnp.where(sel[:, :, None, :], g, NEG_INF))
         values.append(src.main)
     lg = jnp.concatenate(logits, axis=-1)                                        # [B,S,H,N]
     sink = jnp.broadcast_to(p["attn_sink"][None, None, :, None], (B, S, H, 1))
-    probs = jax.nn.softmax(jnp.concatenate([lg, sink], axis=-1), axis=-1)[..., :-1]
+    probs = jax.nn.softmax(jnp.concatenate([lg, sink], axis=-1), axis=-1)
+    if record is not None:
+        record["mass_window"] = jnp.sum(probs[..., :S], axis=-1)
+        record["mass_global"] = jnp.sum(probs[..., S:-1], axis=-1)
+        record["mass_sink"] = probs[..., -1]
+    probs = probs[..., :-1]
     o = jnp.einsum("bsht,btk->bshk", probs[..., :S], values[0], preferred_element_type=F32)
     if len(values) > 1:
         o = o + jnp.einsum("bsht,btk->bshk", probs[..., S:], values[1],
@@ -441,12 +454,13 @@ def _engram(p, X, ids, cfg: ModelConfig):
 
 
 def train_block(p: dict, X, pre_mix, role: LayerRole, cfg: ModelConfig, freqs: dict,
-                sources: dict, bus: dict, engram_ids=None, *, qat: bool = False):
+                sources: dict, bus: dict, engram_ids=None, *, qat: bool = False,
+                record: dict | None = None):
     """One backbone block in training mode (the wiring of :func:`dsv41_jax.model.block`):
     Engram first if the layer has it, mHC around the attention and the MoE. ``X`` fp32
     [B, S, C, D], ``pre_mix`` fp32 [B, S, C]; ``sources`` / ``bus`` (dicts) carry the KV
     sources and the selections between layers and are updated in place. Returns ``(X,
-    pre_mix, distill loss or None, load [E])``."""
+    pre_mix, distill loss or None, load [E])``. ``record``: as :func:`_attention`'s."""
     B, S = X.shape[:2]
     hc = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
               norm_eps=cfg.norm_eps)
@@ -455,7 +469,7 @@ def train_block(p: dict, X, pre_mix, role: LayerRole, cfg: ModelConfig, freqs: d
     a_pre, a_post, a_comb = mhc.hc_mixes(X, p["hc_attn_fn"], p["hc_attn_scale"],
                                          p["hc_attn_base"], **hc)
     xa = rms_norm(_hc_pre(X, pre_mix), p["attn_norm"]["weight"], cfg.norm_eps)
-    y, kl = _attention(p["attn"], xa, role, cfg, freqs[role.rope], sources, bus, qat)
+    y, kl = _attention(p["attn"], xa, role, cfg, freqs[role.rope], sources, bus, qat, record)
     X = _hc_post(y, X, a_post, a_comb)
     pre_mix, f_post, f_comb = mhc.hc_mixes(X, p["hc_ffn_fn"], p["hc_ffn_scale"],
                                            p["hc_ffn_base"], **hc)
@@ -470,24 +484,37 @@ def rope_tables(cfg: ModelConfig) -> dict:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["logits", "distill", "load"], meta_fields=[])
+                   data_fields=["logits", "distill", "load", "records"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class TrainOutput:
     """What :func:`train_forward` returns: ``logits`` fp32 [B, S, V]; ``distill`` fp32
     [n index sources] (each index source's KL, in layer order); ``load`` fp32 [n_layers, E]
-    (routed (token, expert) pairs per expert)."""
+    (routed (token, expert) pairs per expert); ``records`` (``collect=True``, else None):
+    ``{layer: dict}`` of the attention intermediates of every layer, see
+    :func:`train_forward`."""
 
     logits: Any
     distill: Any
     load: Any
+    records: Any = None
 
 
-def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False) -> TrainOutput:
+def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False,
+                  collect: bool = False) -> TrainOutput:
     """Every position of ``tokens`` int32 [B, S] (a sequence from position 0) through every
     layer, differentiably (module docstring; docs/training.md, "The training forward").
     ``tp``: the training form (:func:`train_params_from`), gate biases included.
     ``qat``: apply the inference's KV quantisers (FP8 window KV, FP4 main KV, FP4 indexer
-    q / K) as straight-through QDQ (off by default: training is unquantised)."""
+    q / K) as straight-through QDQ (off by default: training is unquantised).
+    ``collect``: also return every layer's attention intermediates in ``records[layer]``
+    (for analysis; docs/training.md, "Looking inside the trained model"): ``mass_window``,
+    ``mass_global``, ``mass_sink`` fp32 [B, S, H] (each head's attention probability on the
+    window, the selected global entries and the sink); for layers reading a KV source also
+    ``global_logits`` fp32 [B, S, H, T] (the layer's query against every global entry, -inf
+    where not yet visible), ``visible`` and ``selected`` bool [B, S, T] (the entries it
+    attends over: its own top-k, its index source's for a Reuse layer); for index sources
+    ``index_score`` fp32 [B, S, T] (over every visible entry, before a Reindex layer's
+    candidate restriction) and, for a Reindex layer, ``candidates`` bool [B, S, T]."""
     plan = LayerPlan.from_config(cfg)
     B, S = tokens.shape
     C = cfg.hc_mult
@@ -502,10 +529,12 @@ def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False) -> T
         ids = engram_layer.engram_hash_ids(cids, hist, pos, tp["engram_consts"])
         engram_ids = {layer: ids[:, :, k] for k, layer in enumerate(cfg.engram_layer_ids)}
     sources, bus, distill, loads = {}, {}, [], []
+    records = {} if collect else None
     for role in plan.roles:
+        rec = records.setdefault(role.layer, {}) if collect else None
         X, pre_mix, kl, load = train_block(tp["layers"][role.layer], X, pre_mix, role, cfg,
                                            freqs, sources, bus, engram_ids.get(role.layer),
-                                           qat=qat)
+                                           qat=qat, record=rec)
         if kl is not None:
             distill.append(kl)
         loads.append(load)
@@ -513,7 +542,7 @@ def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False) -> T
     logits = jnp.einsum("bsd,vd->bsv", h, tp["head"]["weight"], preferred_element_type=F32)
     return TrainOutput(logits=logits,
                        distill=jnp.stack(distill) if distill else jnp.zeros((0,), F32),
-                       load=jnp.stack(loads))
+                       load=jnp.stack(loads), records=records)
 
 
 def token_loss(logits, targets, mask=None):

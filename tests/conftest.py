@@ -104,7 +104,8 @@ def _release_compiled_programs():
 # finish close together instead of one starting a fixture directory near the end.
 SLOW_FIRST = ("test_parity.py::test_fixture_dir", "test_sparse_attention.py::test_model_with",
               "test_sharding.py::test_sharded_in_subprocess",
-              "test_multihost.py::test_two_processes_generate_the_tokens_of_one")
+              "test_multihost.py::test_two_processes_generate_the_tokens_of_one",
+              "test_notebooks.py::test_csa2_modes_notebook")
 
 
 def pytest_configure(config):

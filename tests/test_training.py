@@ -108,6 +108,38 @@ def test_training_block_computes_the_inference_block():
 
 
 # (path in the training tree, what it exercises); all on the LM loss
+def test_collect_records_what_each_layer_attends_to(tiny):
+    """``train_forward(collect=True)`` leaves the logits bitwise as they are and records, per
+    layer, attention masses that sum to 1 with the sink, a selection inside the visible entries
+    (a Reuse layer's that of its index source), and query logits finite exactly where an entry
+    is visible; a Reindex layer's candidate pool and unrestricted indexer scores."""
+    cfg, tp = tiny
+    tok = _tokens(cfg, (1, 24))
+    plain = jax.jit(lambda tp, t: training.train_forward(tp, cfg, t))(tp, tok)
+    out = jax.jit(lambda tp, t: training.train_forward(tp, cfg, t, collect=True))(tp, tok)
+    assert plain.records is None
+    np.testing.assert_array_equal(np.asarray(plain.logits), np.asarray(out.logits))
+    roles = LayerPlan.from_config(cfg).roles
+    assert sorted(out.records) == [r.layer for r in roles]
+    for r in roles:
+        rec = jax.tree.map(np.asarray, out.records[r.layer])
+        total = rec["mass_window"] + rec["mass_global"] + rec["mass_sink"]
+        np.testing.assert_allclose(total, 1, atol=1e-5)
+        if not r.ratio:
+            assert "selected" not in rec and (rec["mass_global"] == 0).all()
+            continue
+        vis, sel = rec["visible"], rec["selected"]
+        assert (sel <= vis).all() and sel.any()
+        assert (np.isfinite(rec["global_logits"]) == vis[:, :, None, :]).all()
+        if r.mode == "reuse":
+            src = np.asarray(out.records[r.index_layer]["selected"])
+            np.testing.assert_array_equal(sel, src & vis)
+        if r.mode == "reindex":
+            pool = rec["candidates"]
+            assert (sel <= pool).all() and np.isfinite(rec["index_score"][vis]).all()
+            assert (~pool & vis).any()          # the pool restricts
+
+
 LM_PARAMS = [
     (("layers", 1, "attn", "wq_a", "weight"), "attention query (Full, ratio 2)"),
     (("layers", 4, "attn", "wkv", "weight"), "window KV (Reuse, ratio 1)"),
