@@ -1,0 +1,66 @@
+"""The demo checkpoint (``checkpoints/demo``, docs/training.md, "The demo model"): it loads
+through the reference checkpoint loader, its loss on an unseen scene lies far below the unigram
+entropy under both the training forward and the inference numerics (FP8 / FP4), the two agree
+within a stated margin, and greedy decoding continues in English."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dsv41_jax import checkpoint, model, tokenizer, training
+from dsv41_jax.config import ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "checkpoints", "demo")
+SCENE = os.path.join(ROOT, "notebooks", "julius_caesar_act3.txt")   # a validation document
+UNIGRAM_ENTROPY = 7.252     # nats/token of the validation text (docs/training.md, "Data")
+MAX_LOSS = 6.0              # nats/token on the scene's first 512 tokens, both forwards
+QUANT_MARGIN = 0.05         # |inference numerics - training forward|, nats/token
+
+
+@pytest.fixture(scope="module")
+def demo():
+    cfg, params = checkpoint.load_params(DEMO)
+    tok = tokenizer.load_tokenizer()
+    with open(SCENE) as f:
+        ids = np.asarray(tokenizer.encode(tok, f.read()), np.int32)
+    return cfg, params, tok, ids
+
+
+def test_demo_is_the_demo_config(demo):
+    cfg, params, _, _ = demo
+    assert cfg == ModelConfig.from_json(os.path.join(ROOT, "configs", "demo.json"))
+    with open(os.path.join(DEMO, "config.json")) as f:
+        assert json.load(f)["n_layers"] == 12
+    assert os.path.getsize(os.path.join(DEMO, "model.safetensors")) < 25 << 20
+
+
+def test_demo_loss_far_below_unigram_entropy(demo):
+    cfg, params, _, ids = demo
+    tokens = ids[None, :513]
+    inference = float(training.token_loss(
+        model.forward(params, cfg, tokens[:, :-1]).all_logits, tokens[:, 1:]))
+    train = float(training.eval_loss(training.train_params_from(params), cfg, tokens))
+    assert train < MAX_LOSS < UNIGRAM_ENTROPY, train
+    assert inference < MAX_LOSS, inference
+    assert abs(inference - train) < QUANT_MARGIN, (inference, train)
+
+
+def test_demo_greedy_continuation_is_english(demo):
+    cfg, params, tok, ids = demo
+    from dsv41_jax import generation
+    from dsv41_jax import state as st
+    params = model.prepare_params(params, cfg)
+    prompt = ids[None, :200]
+    out, state = model.prefill(params, cfg, prompt, st.init_state(cfg, 1, 256))
+    res = generation.generate(params, cfg, state, out.logits, max_new_tokens=32)
+    text = tokenizer.decode(tok, np.asarray(res.tokens)[0].tolist())
+    letters = sum(c.isascii() and (c.isalpha() or c in " \n,.;:'!?-") for c in text)
+    assert len(text) > 40 and letters / len(text) > 0.9, text
+    words = [w.strip(",.;:'!?-").lower() for w in text.split()]
+    assert sum(w in {"the", "and", "of", "to", "i", "you", "my", "a", "is", "that", "not", "in",
+                     "me", "it", "he", "his", "your", "with", "be", "this"} for w in words) >= 3, text
