@@ -1141,19 +1141,17 @@ def benchmark(args) -> dict:
 def main(argv=None) -> int:
     """The ``dsv41-bench-e2e`` command: returns 1 if a row failed.
 
-    Unless already set: GPU compiles skip GEMM autotuning (``--xla_gpu_autotune_level=0``,
-    as ``dsv41-bench-prefill``: every row is a new program of the whole model), and JAX may
-    take 95% of the GPU's memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``; ``release-fit`` needs
-    more than the default 75%). Both take effect when JAX starts its backends in this call.
+    XLA runs with its default flags, as a user's program does (GEMM autotuning on: with
+    ``--xla_gpu_autotune_level=0`` XLA's untuned Triton GEMMs ran a 4K prefill 4.2x slower,
+    docs/benchmarks.md, "Method"). Unless already set, JAX may take 95% of the GPU's memory
+    (``XLA_PYTHON_CLIENT_MEM_FRACTION``; ``release-fit`` needs more than the default 75%); it
+    takes effect when JAX starts its backends in this call.
     """
     args = parse_args(argv)
     if args.render:
         with open(args.render) as f:
             print(markdown_table(json.load(f)))
         return 0
-    if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_gpu_autotune_level=0").strip()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     results = benchmark(args)
     return 1 if any("error" in r for r in results["rows"]) else 0

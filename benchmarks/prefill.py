@@ -337,13 +337,9 @@ def benchmark(args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     """The ``dsv41-bench-prefill`` command: returns 1 if a run failed.
 
-    Unless ``XLA_FLAGS`` sets ``--xla_gpu_autotune_level``, GPU compiles skip GEMM autotuning
-    (level 0; effective when JAX starts its backends in this call): every (capacity, mode) is a
-    separate program of the whole model, and autotuning each would cost minutes.
+    XLA runs with its default flags, as a user's program does (GEMM autotuning on; see
+    :func:`benchmarks.e2e.main`).
     """
-    if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_gpu_autotune_level=0").strip()
     results = benchmark(parse_args(argv))
     return 1 if any("error" in r for r in results["runs"]) else 0
 

@@ -1,0 +1,146 @@
+"""The ``dsv41-bench-verify`` command: the cost of one :func:`dsv41_jax.model.verify` call of
+``k`` drafts against one :func:`dsv41_jax.model.decode_step`, per batch size, beside the
+acceptance length a speculative step needs to pay for itself (docs/benchmarks.md,
+"Speculative decoding").
+
+For each batch size the state is filled as in ``dsv41-bench-e2e``'s decode rows (a prefill of
+``--context`` random tokens, tiled over the batch), then ``decode_step`` and ``verify`` with
+``k`` = each of ``--drafts`` run ``--steps`` timed calls each (after one compiling call), each
+call timed to its logits; the median counts. ``verify`` commits by its greedy rule on random
+drafts (in practice one position per call), so the state advances as in decoding.
+
+**Break-even.** A speculative call emits its acceptance length ``a`` (accepted drafts plus the
+main model's token) for one verify and one draft; it beats plain decoding when
+``a > (verify_ms + draft_ms) / decode_ms``. The draft head's cost is not in this benchmark
+(``draft_ms`` 0: the configs here have no DSpark), so ``verify_ms / decode_ms`` is a lower
+bound of the break-even acceptance length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+
+from benchmarks import config as bench_config
+from benchmarks.e2e import fill_state
+from benchmarks.timing import write_json, xla_compiles
+from dsv41_jax import model, random_weights
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv41-bench-verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="mid", choices=["mid", "tiny"],
+                   help="mid (default: the end-to-end benchmark's) or tiny (CPU smoke test)")
+    p.add_argument("--context", type=int, default=4096, help="tokens in every row's state")
+    p.add_argument("--batches", type=_ints, default=[1, 8, 64], help="batch sizes (1,8,64)")
+    p.add_argument("--drafts", type=_ints, default=[1, 2, 3, 4, 5], help="k values (1..5)")
+    p.add_argument("--steps", type=int, default=10, help="timed calls per case (default 10)")
+    p.add_argument("--attn-impl", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="start no case once elapsed + the longest case so far would pass this")
+    p.add_argument("--out", default="verify.json", help="JSON result (rewritten per case)")
+    return p
+
+
+def _timed(call, steps: int) -> tuple[float, float]:
+    """``(first call s, median ms of the next ``steps`` calls)``."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    first = time.perf_counter() - t0
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        ts.append(time.perf_counter() - t0)
+    return first, 1e3 * statistics.median(ts)
+
+
+def run(args) -> dict:
+    """Every (batch, case) of ``args``; returns the results (also written to ``args.out``)."""
+    t_start = time.perf_counter()
+    cfg, _ = bench_config.e2e_config(args.config)
+    if args.config == "tiny":
+        args.context = min(args.context, 64)
+    params = model.prepare_params(random_weights.random_params_device(cfg, args.seed), cfg)
+    fill_args = SimpleNamespace(headroom=args.steps * 8 + 64, fill="exact", chunk=None,
+                                attn_impl=args.attn_impl, seed=args.seed, fill_batch="tile",
+                                device_mesh=None)
+    dev = jax.devices()[0]
+    res = {"benchmark": "verify", "config_name": args.config, "device": dev.device_kind,
+           "jax_version": jax.__version__, "context": args.context, "rows": [], "skipped": []}
+    longest = 0.0
+    for B in args.batches:
+        state, info = fill_state(params, cfg, args.context, B, fill_args)
+        rng = np.random.default_rng([args.seed, B])
+        box = {"state": state}
+        del state
+
+        def dec():
+            t = rng.integers(0, cfg.vocab_size, (B,)).astype(np.int32)
+            lg, box["state"] = model.decode_step(params, cfg, box["state"], t,
+                                                 attn_impl=args.attn_impl)
+            return lg
+
+        cases = [("decode", 0)] + [("verify", k) for k in args.drafts]
+        row = {"batch": B, **info, "cases": []}
+        for kind, k in cases:
+            elapsed = time.perf_counter() - t_start
+            if args.budget_s and elapsed + longest > args.budget_s:
+                res["skipped"].append({"batch": B, "kind": kind, "k": k,
+                                       "why": f"budget: {elapsed:.0f} s + {longest:.0f} s"})
+                continue
+            t0 = time.perf_counter()
+            c0 = xla_compiles()
+            if kind == "decode":
+                first, ms = _timed(dec, args.steps)
+            else:
+                def ver(k=k):
+                    t = rng.integers(0, cfg.vocab_size, (B, k + 1)).astype(np.int32)
+                    lg, _, box["state"] = model.verify(params, cfg, box["state"], t,
+                                                       attn_impl=args.attn_impl)
+                    return lg
+                first, ms = _timed(ver, args.steps)
+            case = {"kind": kind, "k": k, "ms": ms, "first_call_s": first,
+                    "xla_compiles": xla_compiles() - c0}
+            row["cases"].append(case)
+            longest = max(longest, time.perf_counter() - t0)
+            dec_ms = row["cases"][0]["ms"] if row["cases"][0]["kind"] == "decode" else None
+            if kind == "verify" and dec_ms:
+                case["x_decode"] = ms / dec_ms
+                case["break_even_acceptance"] = ms / dec_ms
+            print(f"B={B} {kind}{f' k={k}' if k else ''}: {ms:.2f} ms"
+                  + (f" = {case['x_decode']:.2f}x decode_step" if "x_decode" in case else "")
+                  + f" (first call {first:.1f} s)", flush=True)
+        res["rows"].append(row)
+        write_json(args.out, res)
+        del box
+    res["total_s"] = time.perf_counter() - t_start
+    write_json(args.out, res)
+    return res
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("batches", "drafts"):
+        if not getattr(args, name) or min(getattr(args, name)) < 1:
+            raise SystemExit(f"dsv41-bench-verify: error: --{name} must list integers >= 1")
+    res = run(args)
+    print(json.dumps({"rows": [{"batch": r["batch"], "cases": r["cases"]} for r in res["rows"]]},
+                     indent=1)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

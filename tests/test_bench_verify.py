@@ -1,0 +1,41 @@
+"""``dsv41-bench-verify`` (:mod:`benchmarks.speculative`): a CPU smoke run on the tiny config and
+its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import speculative
+
+
+def test_smoke_run_writes_every_case(tmp_path):
+    out = tmp_path / "verify.json"
+    assert speculative.main(["--config", "tiny", "--batches", "2", "--drafts", "3",
+                             "--steps", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "verify" and res["context"] == 64 and res["skipped"] == []
+    (row,) = res["rows"]
+    assert row["batch"] == 2 and row["fill_batch"] == "tile"
+    dec, ver = row["cases"]
+    assert (dec["kind"], dec["k"], ver["kind"], ver["k"]) == ("decode", 0, "verify", 3)
+    assert dec["ms"] > 0 and ver["ms"] > 0
+    assert ver["x_decode"] == pytest.approx(ver["ms"] / dec["ms"])
+    assert ver["break_even_acceptance"] == ver["x_decode"]
+    assert dec["xla_compiles"] >= 1 and ver["xla_compiles"] >= 1   # the first calls compile
+
+
+def test_budget_skips_cases(tmp_path):
+    out = tmp_path / "verify.json"
+    speculative.main(["--config", "tiny", "--batches", "1", "--drafts", "1", "--steps", "1",
+                      "--budget-s", "1e-9", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["rows"][0]["cases"] == []
+    assert [(s["kind"], s["k"]) for s in res["skipped"]] == [("decode", 0), ("verify", 1)]
+
+
+@pytest.mark.parametrize("flag", ["--drafts", "--batches"])
+def test_refuses_empty_or_zero(flag):
+    with pytest.raises(SystemExit, match=f"{flag} must list integers >= 1"):
+        speculative.main([flag, "0"])
