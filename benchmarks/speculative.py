@@ -125,7 +125,7 @@ def run(args) -> dict:
                   + f" (first call {first:.1f} s)", flush=True)
         res["rows"].append(row)
         write_json(args.out, res)
-        del box
+        box.clear()
     res["total_s"] = time.perf_counter() - t_start
     write_json(args.out, res)
     return res

@@ -468,3 +468,19 @@ def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tok
                      jnp.asarray(eos_arr), jax.random.key(int(seed)), cfg=cfg,
                      sampling=sampling, max_new_tokens=int(max_new_tokens), k=int(k),
                      auto=auto, threshold=float(t), attn_impl=attn_impl, draft=draft)
+
+
+def speculative_stats(res: SpeculativeResult) -> dict:
+    """The measurements of a :class:`SpeculativeResult` over its rows (counted while
+    each row was live): ``verify_calls`` (main-model calls of the loop),
+    ``acceptance_length`` (mean drafts accepted per verify), ``draft_acceptance_rate``
+    (accepted / verified drafts) and ``tokens_per_call`` (tokens the verify calls emitted per
+    call: the acceptance length + 1, less what EOS or ``max_new_tokens`` cut)."""
+    calls = np.asarray(res.row_calls).astype(np.int64)
+    acc = np.asarray(res.accepted).astype(np.int64) - calls
+    drafted = np.asarray(res.drafted).astype(np.int64)
+    emitted = np.asarray(res.lengths).astype(np.int64) - 1
+    n = max(int(calls.sum()), 1)
+    return {"verify_calls": int(res.calls), "acceptance_length": float(acc.sum() / n),
+            "draft_acceptance_rate": float(acc.sum() / max(int(drafted.sum()), 1)),
+            "tokens_per_call": float(emitted.sum() / n), "drafts_verified": int(drafted.sum())}

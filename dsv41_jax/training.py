@@ -52,7 +52,7 @@ import optax
 from flax import nnx
 
 from dsv41_jax import quant, random_weights, sharding
-from dsv41_jax.checkpoint import expected_tensors, params_from_tensors
+from dsv41_jax.checkpoint import expected_dspark_tensors, expected_tensors, params_from_tensors
 from dsv41_jax.config import LayerPlan, LayerRole, ModelConfig
 from dsv41_jax.dtypes import F32
 from dsv41_jax.layers import engram as engram_layer
@@ -145,9 +145,25 @@ def _fp8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, (np.log2(s) + 127).astype(np.uint8)
 
 
+def _dspark_named(tpd: dict) -> dict:
+    """The training form's ``dspark`` subtree nested by the reference's ``mtp.*`` names
+    (:func:`dsv41_jax.checkpoint._dspark_params` in reverse)."""
+    n = len(tpd["stages"])
+    mtp = {str(k): dict(sp) for k, sp in enumerate(tpd["stages"])}
+    mtp["0"].update(main_proj=tpd["main_proj"], main_norm=tpd["main_norm"])
+    mtp[str(n - 1)].update(norm=tpd["norm"],
+                           markov_head={"embed": tpd["markov_embed"],
+                                        "head": tpd["markov_head"]},
+                           confidence_head={"proj": tpd["confidence"]})
+    return mtp
+
+
 def _flat_names(tp: dict) -> dict[str, np.ndarray]:
-    """Training tree -> ``{reference name: fp32 host array}``; routed experts unstacked."""
+    """Training tree -> ``{reference name: fp32 host array}``; routed experts unstacked; a
+    ``dspark`` subtree under the ``mtp.*`` names."""
     out = {}
+    if "dspark" in tp:
+        tp = {**{k: v for k, v in tp.items() if k != "dspark"}, "mtp": _dspark_named(tp["dspark"])}
 
     def walk(d, prefix):
         if isinstance(d, dict):
@@ -171,14 +187,21 @@ def _flat_names(tp: dict) -> dict[str, np.ndarray]:
     return flat
 
 
-def export_tensors(tp: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def export_tensors(tp: dict, cfg: ModelConfig, *, only_dspark: bool = False
+                   ) -> dict[str, np.ndarray]:
     """The reference checkpoint's tensors (names, shapes, dtypes of
-    :func:`dsv41_jax.checkpoint.expected_tensors`) of a training tree: FP8 block-scaled
+    :func:`dsv41_jax.checkpoint.expected_tensors`, and of
+    :func:`~dsv41_jax.checkpoint.expected_dspark_tensors` where ``tp`` has a ``dspark``
+    subtree; ``only_dspark``: those alone) of a training tree: FP8 block-scaled
     linears (one E8M0 scale per 32 x 32 tile, values rounded to nearest e4m3), packed FP4
     routed experts (one E8M0 scale per 32 of a row), Engram tables as e4m3 rows, the rest in
     the first dtype the format allows (bf16, or fp32 for the sinks, mHC heads and gate
     biases). :func:`dsv41_jax.checkpoint.params_from_tensors` reads the result."""
-    exp = expected_tensors(cfg)
+    exp = {} if only_dspark else expected_tensors(cfg)
+    if "dspark" in tp:
+        exp.update(expected_dspark_tensors(cfg))
+    elif only_dspark:
+        raise ValueError("only_dspark: the training parameters have no dspark subtree")
     flat = _flat_names(tp)
     out: dict[str, np.ndarray] = {}
     for name, (shape, dtypes) in exp.items():
@@ -311,6 +334,32 @@ def _kl(target, score, allowed):
     return jnp.sum(jnp.where(any_ok, kl, 0.0)) / jnp.maximum(jnp.sum(any_ok), 1)
 
 
+def _queries_kv(p, x, cfg: ModelConfig, cos, sin, qat: bool):
+    """An attention sublayer's ``(query latent [B,S,Q], queries [B,S,H,K], window KV [B,S,K])``
+    at the positions of ``cos`` / ``sin`` (RoPE'd; the KV QDQ'd as FP8 with ``qat``)."""
+    B, S, _ = x.shape
+    H, K = cfg.n_heads, cfg.head_dim
+    qr = rms_norm(_mm(x, p["wq_a"]["weight"]), p["q_norm"]["weight"], cfg.norm_eps)
+    q = _mm(qr, p["wq_b"]["weight"]).reshape(B, S, H, K)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    kv = rms_norm(_mm(x, p["wkv"]["weight"]), p["kv_norm"]["weight"], cfg.norm_eps)
+    kv = apply_rope(kv, cos, sin)
+    if qat:
+        kv = _qat("window")(kv)
+    return qr, q, kv
+
+
+def _output(p, o, cfg: ModelConfig, cos, sin):
+    """The attention output ``o`` [B,S,H,K] -> [B,S,D]: inverse RoPE, grouped ``wo_a``,
+    ``wo_b``."""
+    B, S, H, K = o.shape
+    o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+    G = cfg.o_groups
+    wa = p["wo_a"]["weight"].reshape(G, -1, H * K // G)
+    u = jnp.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1), wa, preferred_element_type=F32)
+    return _mm(u.reshape(B, S, -1), p["wo_b"]["weight"])
+
+
 def _attention(p, x, role: LayerRole, cfg: ModelConfig, freqs, sources: dict, bus: dict,
                qat: bool = False, record: dict | None = None):
     """One CSA2 attention sublayer in training mode. Returns ``(out [B,S,D], distill loss or
@@ -320,13 +369,7 @@ def _attention(p, x, role: LayerRole, cfg: ModelConfig, freqs, sources: dict, bu
     H, K, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     cos, sin = rope_angles(pos, freqs)
-    qr = rms_norm(_mm(x, p["wq_a"]["weight"]), p["q_norm"]["weight"], cfg.norm_eps)
-    q = _mm(qr, p["wq_b"]["weight"]).reshape(B, S, H, K)
-    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    kv = rms_norm(_mm(x, p["wkv"]["weight"]), p["kv_norm"]["weight"], cfg.norm_eps)
-    kv = apply_rope(kv, cos, sin)
-    if qat:
-        kv = _qat("window")(kv)
+    qr, q, kv = _queries_kv(p, x, cfg, cos, sin, qat)
     scale = K ** -0.5
     i = jnp.arange(S)
     win_ok = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)       # [S, S]
@@ -389,11 +432,7 @@ def _attention(p, x, role: LayerRole, cfg: ModelConfig, freqs, sources: dict, bu
     if len(values) > 1:
         o = o + jnp.einsum("bsht,btk->bshk", probs[..., S:], values[1],
                            preferred_element_type=F32)
-    o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
-    G = cfg.o_groups
-    wa = p["wo_a"]["weight"].reshape(G, -1, H * K // G)
-    u = jnp.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1), wa, preferred_element_type=F32)
-    return _mm(u.reshape(B, S, -1), p["wo_b"]["weight"]), distill
+    return _output(p, o, cfg, cos, sin), distill
 
 
 def _swiglu(x, w1, w3, w2, limit: float, route_w=None):
@@ -408,12 +447,14 @@ def _swiglu(x, w1, w3, w2, limit: float, route_w=None):
     return _mm(a, w2)
 
 
-def _moe(p, bias, x, cfg: ModelConfig):
+def _moe(p, bias, x, cfg: ModelConfig, k: int | None = None):
     """MoE on flattened tokens ``x`` [N, D]: ``(out [N, D], load [E] routed pairs per
-    expert)``. The gate as :func:`dsv41_jax.layers.moe.gate` (the bias only selects); the
-    routed experts densely over the expert axis."""
+    expert)``. The gate as :func:`dsv41_jax.layers.moe.gate` (the bias only selects), ``k``
+    experts per token (default ``n_activated_experts``); the routed experts densely over the
+    expert axis."""
     N = x.shape[0]
-    E, k = cfg.n_routed_experts, cfg.n_activated_experts
+    E = p["gate"]["weight"].shape[0]
+    k = cfg.n_activated_experts if k is None else k
     s = gate_scores(x, p["gate"]["weight"], cfg)
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(s) + bias[None, :], k)
     w = jnp.take_along_axis(s, idx, axis=-1)
@@ -461,21 +502,30 @@ def train_block(p: dict, X, pre_mix, role: LayerRole, cfg: ModelConfig, freqs: d
     [B, S, C, D], ``pre_mix`` fp32 [B, S, C]; ``sources`` / ``bus`` (dicts) carry the KV
     sources and the selections between layers and are updated in place. Returns ``(X,
     pre_mix, distill loss or None, load [E])``. ``record``: as :func:`_attention`'s."""
-    B, S = X.shape[:2]
-    hc = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-              norm_eps=cfg.norm_eps)
     if role.engram:
         X = _engram(p["engram"], X, engram_ids, cfg)
+    return block_wiring(p, X, pre_mix, lambda xa: _attention(
+        p["attn"], xa, role, cfg, freqs[role.rope], sources, bus, qat, record), cfg)
+
+
+def block_wiring(p: dict, X, pre_mix, attention, cfg: ModelConfig, k: int | None = None):
+    """The mHC wiring of one block in training mode (:func:`dsv41_jax.layers.mhc.block_wiring`
+    in fp32) around ``attention(x [..., S, D]) -> (y, aux)`` and the MoE (``k`` experts per
+    token, default ``n_activated_experts``). ``X`` fp32 [..., S, C, D], ``pre_mix`` [..., S,
+    C]. Returns ``(X, pre_mix, aux, load [E])``; shared by the backbone blocks and the DSpark
+    stages (:mod:`dsv41_jax.draft_training`)."""
+    hc = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
+              norm_eps=cfg.norm_eps)
     a_pre, a_post, a_comb = mhc.hc_mixes(X, p["hc_attn_fn"], p["hc_attn_scale"],
                                          p["hc_attn_base"], **hc)
     xa = rms_norm(_hc_pre(X, pre_mix), p["attn_norm"]["weight"], cfg.norm_eps)
-    y, kl = _attention(p["attn"], xa, role, cfg, freqs[role.rope], sources, bus, qat, record)
+    y, aux = attention(xa)
     X = _hc_post(y, X, a_post, a_comb)
     pre_mix, f_post, f_comb = mhc.hc_mixes(X, p["hc_ffn_fn"], p["hc_ffn_scale"],
                                            p["hc_ffn_base"], **hc)
     xf = rms_norm(_hc_pre(X, a_pre), p["ffn_norm"]["weight"], cfg.norm_eps)
-    y2, load = _moe(p["ffn"], p["ffn"]["gate"]["bias"], xf.reshape(B * S, -1), cfg)
-    return _hc_post(y2.reshape(B, S, -1), X, f_post, f_comb), pre_mix, kl, load
+    y2, load = _moe(p["ffn"], p["ffn"]["gate"]["bias"], xf.reshape(-1, xf.shape[-1]), cfg, k)
+    return _hc_post(y2.reshape(xf.shape), X, f_post, f_comb), pre_mix, aux, load
 
 
 def rope_tables(cfg: ModelConfig) -> dict:
@@ -484,23 +534,26 @@ def rope_tables(cfg: ModelConfig) -> dict:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["logits", "distill", "load", "records"], meta_fields=[])
+                   data_fields=["logits", "distill", "load", "records", "features"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class TrainOutput:
     """What :func:`train_forward` returns: ``logits`` fp32 [B, S, V]; ``distill`` fp32
     [n index sources] (each index source's KL, in layer order); ``load`` fp32 [n_layers, E]
     (routed (token, expert) pairs per expert); ``records`` (``collect=True``, else None):
     ``{layer: dict}`` of the attention intermediates of every layer, see
-    :func:`train_forward`."""
+    :func:`train_forward`; ``features`` (``capture``, else None): fp32 [B, S, T, D], the
+    stream mean of the inputs of the ``T`` captured layers (the DSpark target features)."""
 
     logits: Any
     distill: Any
     load: Any
     records: Any = None
+    features: Any = None
 
 
 def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False,
-                  collect: bool = False) -> TrainOutput:
+                  collect: bool = False, capture: tuple = ()) -> TrainOutput:
     """Every position of ``tokens`` int32 [B, S] (a sequence from position 0) through every
     layer, differentiably (module docstring; docs/training.md, "The training forward").
     ``tp``: the training form (:func:`train_params_from`), gate biases included.
@@ -514,7 +567,10 @@ def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False,
     where not yet visible), ``visible`` and ``selected`` bool [B, S, T] (the entries it
     attends over: its own top-k, its index source's for a Reuse layer); for index sources
     ``index_score`` fp32 [B, S, T] (over every visible entry, before a Reindex layer's
-    candidate restriction) and, for a Reindex layer, ``candidates`` bool [B, S, T]."""
+    candidate restriction) and, for a Reindex layer, ``candidates`` bool [B, S, T].
+    ``capture``: layer ids whose block input's stream mean is returned in ``features``, in
+    this order (``cfg.dspark_target_layer_ids`` for DSpark's target features: the input after
+    Engram, as the reference captures it)."""
     plan = LayerPlan.from_config(cfg)
     B, S = tokens.shape
     C = cfg.hc_mult
@@ -530,7 +586,13 @@ def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False,
         engram_ids = {layer: ids[:, :, k] for k, layer in enumerate(cfg.engram_layer_ids)}
     sources, bus, distill, loads = {}, {}, [], []
     records = {} if collect else None
+    captured = {}
     for role in plan.roles:
+        if role.layer in capture:
+            Xc = X
+            if role.engram:
+                Xc = _engram(tp["layers"][role.layer]["engram"], X, engram_ids[role.layer], cfg)
+            captured[role.layer] = jnp.mean(Xc, axis=2)
         rec = records.setdefault(role.layer, {}) if collect else None
         X, pre_mix, kl, load = train_block(tp["layers"][role.layer], X, pre_mix, role, cfg,
                                            freqs, sources, bus, engram_ids.get(role.layer),
@@ -542,7 +604,9 @@ def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False,
     logits = jnp.einsum("bsd,vd->bsv", h, tp["head"]["weight"], preferred_element_type=F32)
     return TrainOutput(logits=logits,
                        distill=jnp.stack(distill) if distill else jnp.zeros((0,), F32),
-                       load=jnp.stack(loads), records=records)
+                       load=jnp.stack(loads), records=records,
+                       features=(jnp.stack([captured[L] for L in capture], axis=2) if capture
+                                 else None))
 
 
 def token_loss(logits, targets, mask=None):

@@ -486,22 +486,6 @@ def _warm_generate(params, cfg, B, capacity, args, sampling, mesh=None):
     jax.block_until_ready(res)
 
 
-def speculative_stats(res) -> dict:
-    """The measurements of a :class:`generation.SpeculativeResult` over its rows (counted while
-    each row was live): ``verify_calls`` (main-model calls of the loop),
-    ``acceptance_length`` (mean drafts accepted per verify), ``draft_acceptance_rate``
-    (accepted / verified drafts) and ``tokens_per_call`` (tokens the verify calls emitted per
-    call: the acceptance length + 1, less what EOS or ``max_new_tokens`` cut)."""
-    calls = np.asarray(res.row_calls).astype(np.int64)
-    acc = np.asarray(res.accepted).astype(np.int64) - calls
-    drafted = np.asarray(res.drafted).astype(np.int64)
-    emitted = np.asarray(res.lengths).astype(np.int64) - 1
-    n = max(int(calls.sum()), 1)
-    return {"verify_calls": int(res.calls), "acceptance_length": float(acc.sum() / n),
-            "draft_acceptance_rate": float(acc.sum() / max(int(drafted.sum()), 1)),
-            "tokens_per_call": float(emitted.sum() / n), "drafts_verified": int(drafted.sum())}
-
-
 def _row_outputs(tok, res, eos: tuple, stops: list[str]) -> list[dict]:
     """Per row: the generated ids, the text (without a final EOS, cut at a stop string) and
     why it ended (``"eos"``, ``"stop"`` or ``"length"``)."""
@@ -614,7 +598,7 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
     print(decode_line(steps, t_dec, B))
     spec = None
     if args.speculative:
-        spec = speculative_stats(res)
+        spec = generation.speculative_stats(res)
         print(f"speculative: {spec['verify_calls']} main-model calls (verify); acceptance "
               f"length {spec['acceptance_length']:.2f} drafts accepted per verify "
               f"({spec['draft_acceptance_rate']:.0%} of {spec['drafts_verified']} drafts); "
