@@ -102,6 +102,18 @@ def plot(history: dict, path: str) -> bool:
 
 
 def run(args) -> dict:
+    """Train, export and measure (module docstring); returns the summary. Raises
+    ``ValueError`` for a checkpoint that already ships a draft head (``mtp.*``: its files are
+    copied beside the new head, which would then be there twice) or a missing data file."""
+    shipped = sorted({e.path for n, e in checkpoint.checkpoint_index(args.checkpoint).items()
+                      if n.startswith("mtp.")})
+    if shipped:
+        raise ValueError(f"checkpoint {args.checkpoint!r} already ships a draft head (mtp.* in "
+                         f"{', '.join(shipped)}): start from a checkpoint without one")
+    for split in ("train", "val"):
+        if not os.path.exists(os.path.join(args.data, f"{split}.bin")):
+            raise ValueError(f"--data {args.data!r} has no {split}.bin (run "
+                             "scripts/prepare_data.py first)")
     os.makedirs(args.out, exist_ok=True)
     cfg_main, params = checkpoint.load_params(args.checkpoint)
     cfg = dt.with_dspark(cfg_main, stages=args.stages, block_size=args.block_size,

@@ -149,3 +149,53 @@ def test_steps_bring_the_draft_towards_the_main_model(bf16_setup):
     assert np.isfinite(first) and last < 0.5 * first, (first, last)
     moved = [np.abs(np.asarray(b) - b0_).max() for b, b0_ in zip(biases, b0)]
     assert all(0 < mv <= 25 * 1e-3 + 1e-6 for mv in moved), moved
+
+
+def test_train_draft_script_smoke(tmp_path, tiny_a_bf16):
+    """``scripts/train_draft.py`` on the tiny-a-bf16 main model without its head (2 steps on
+    random tokens): the history, an exported checkpoint the loader reads with the new head
+    (``mtp.*`` in ``dspark.safetensors``, DSpark on in its config), and the acceptance
+    measurement with the tokens of plain decoding; a checkpoint that already ships a head is
+    refused, naming its file."""
+    import importlib.util
+    import json
+    import os
+    from conftest import fixture_dir
+    cfg, _, _ = tiny_a_bf16
+    src = tmp_path / "main"
+    src.mkdir()
+    flat = checkpoint.read_checkpoint(fixture_dir("tiny-a-bf16"))
+    checkpoint.write_safetensors(src / "model.safetensors",
+                                 {k: v for k, v in flat.items() if not k.startswith("mtp.")})
+    main_cfg = cfg.replace(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(),
+                           compress_ratios=cfg.compress_ratios[:cfg.n_layers])
+    (src / "config.json").write_text(json.dumps(main_cfg.to_dict()))
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(3, cfg.vocab_size, 3000).astype(np.uint32).tofile(data / "train.bin")
+    rng.integers(3, cfg.vocab_size, 600).astype(np.uint32).tofile(data / "val.bin")
+    spec = importlib.util.spec_from_file_location(
+        "train_draft", os.path.join(os.path.dirname(__file__), "..", "scripts", "train_draft.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "out"
+    argv = ["--checkpoint", str(src), "--data", str(data), "--out", str(out), "--steps", "2",
+            "--batch", "2", "--seq-len", "32", "--anchors", "4", "--eval-every", "2",
+            "--eval-batches", "1", "--prompts", "2", "--prompt-len", "12", "--new-tokens", "6",
+            "--experts", "4,2"]
+    s = script.run(script.parse_args(argv))
+    hist = json.loads((out / "history.json").read_text())
+    assert [r["step"] for r in hist["val"]] == [0, 2] and len(hist["train"]) == 1
+    ck = out / "checkpoint"
+    assert sorted(os.listdir(ck)) == ["config.json", "dspark.safetensors", "model.safetensors"]
+    loaded_cfg, params = checkpoint.load_params(str(ck))
+    assert loaded_cfg.dspark_on and loaded_cfg.dspark_experts == (4, 2)
+    assert len(params["dspark"]["stages"]) == 3
+    assert [a["drafts"] for a in s["acceptance"]] == [5, "auto"]
+    assert all(a["same_tokens_as_plain"] for a in s["acceptance"])
+    with pytest.raises(ValueError, match="already ships a draft head"):
+        script.run(script.parse_args(["--checkpoint", str(ck), "--data", str(data),
+                                      "--out", str(tmp_path / "again")]))
+    with pytest.raises(SystemExit):
+        script.parse_args(["--experts", "2,3"])
