@@ -1,6 +1,6 @@
 """The ``dsv41-bench-verify`` command: the cost of one :func:`dsv41_jax.model.verify` call of
 ``k`` drafts against one :func:`dsv41_jax.model.decode_step`, per batch size, beside the
-acceptance length a speculative step needs to pay for itself (docs/benchmarks.md,
+tokens per call a speculative step needs to pay for itself (docs/benchmarks.md,
 "Speculative decoding").
 
 For each batch size the state is filled as in ``dsv41-bench-e2e``'s decode rows (a prefill of
@@ -9,11 +9,11 @@ For each batch size the state is filled as in ``dsv41-bench-e2e``'s decode rows 
 call timed to its logits; the median counts. ``verify`` commits by its greedy rule on random
 drafts (in practice one position per call), so the state advances as in decoding.
 
-**Break-even.** A speculative call emits its acceptance length ``a`` (accepted drafts plus the
-main model's token) for one verify and one draft; it beats plain decoding when
-``a > (verify_ms + draft_ms) / decode_ms``. The draft head's cost is not in this benchmark
-(``draft_ms`` 0: the configs here have no DSpark), so ``verify_ms / decode_ms`` is a lower
-bound of the break-even acceptance length.
+**Break-even.** A speculative call emits ``t`` tokens (its accepted drafts plus the main
+model's token) for one verify and one draft; it beats plain decoding when
+``t > (verify_ms + draft_ms) / decode_ms``. The draft head's cost is not in this benchmark
+(``draft_ms`` 0: the configs here have no DSpark), so ``verify_ms / decode_ms``
+(``break_even_tokens_per_call``) is a lower bound of the break-even tokens per call.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def run(args) -> dict:
             dec_ms = row["cases"][0]["ms"] if row["cases"][0]["kind"] == "decode" else None
             if kind == "verify" and dec_ms:
                 case["x_decode"] = ms / dec_ms
-                case["break_even_acceptance"] = ms / dec_ms
+                case["break_even_tokens_per_call"] = ms / dec_ms
             print(f"B={B} {kind}{f' k={k}' if k else ''}: {ms:.2f} ms"
                   + (f" = {case['x_decode']:.2f}x decode_step" if "x_decode" in case else "")
                   + f" (first call {first:.1f} s)", flush=True)

@@ -1,8 +1,8 @@
 """Train the DSpark draft head of a trained checkpoint, then measure its acceptance on held-out
 text (docs/training.md, "Training the draft head").
 
-    python scripts/prepare_data.py --source shakespeare
-    python scripts/train_draft.py --checkpoint checkpoints/demo --out out/draft
+    .venv/bin/python scripts/prepare_data.py --source shakespeare
+    .venv/bin/python scripts/train_draft.py --checkpoint checkpoints/demo --out out/draft
 
 The main model is frozen (:mod:`dsv41_jax.draft_training`); batches of ``--batch`` windows of
 ``--seq-len`` tokens come from ``<data>/train.bin``, ``--anchors`` draft blocks per window.
@@ -10,7 +10,8 @@ Every ``--eval-every`` steps the teacher-forced metrics (KL to the main model, p
 agreement, the acceptance-length proxy) are measured on fixed windows of ``val.bin``. At the
 end the head is written as the reference's ``mtp.*`` tensors to
 ``<out>/checkpoint/dspark.safetensors`` beside a copy of the main checkpoint's files and a
-``config.json`` with DSpark on, and speculative generation on that checkpoint (the inference
+``config.json`` with DSpark on (a head the checkpoint already ships in a file of its own is
+replaced), and speculative generation on that checkpoint (the inference
 path: :func:`dsv41_jax.generation.generate_speculative`, greedy) is measured on prompts from
 ``val.bin``: the acceptance length, the tokens per main-model call, and that the tokens equal
 plain greedy generation's. ``summary.json``, ``history.json`` and ``draft_loss.png`` go to
@@ -102,20 +103,26 @@ def plot(history: dict, path: str) -> bool:
 
 
 def run(args) -> dict:
-    """Train, export and measure (module docstring); returns the summary. Raises
-    ``ValueError`` for a checkpoint that already ships a draft head (``mtp.*``: its files are
-    copied beside the new head, which would then be there twice) or a missing data file."""
-    shipped = sorted({e.path for n, e in checkpoint.checkpoint_index(args.checkpoint).items()
-                      if n.startswith("mtp.")})
-    if shipped:
-        raise ValueError(f"checkpoint {args.checkpoint!r} already ships a draft head (mtp.* in "
-                         f"{', '.join(shipped)}): start from a checkpoint without one")
+    """Train, export and measure (module docstring); returns the summary. A draft head the
+    checkpoint already ships in files of its own (``mtp.*`` only, as ``dspark.safetensors``) is
+    left out and replaced. Raises ``ValueError`` for a checkpoint file that holds ``mtp.*``
+    beside main-model tensors (it cannot be copied without its old head) or a missing data
+    file."""
+    files: dict[str, set] = {}
+    for n, e in checkpoint.checkpoint_index(args.checkpoint).items():
+        files.setdefault(e.path, set()).add(n.startswith("mtp."))
+    mixed = sorted(f for f, kinds in files.items() if kinds == {True, False})
+    if mixed:
+        raise ValueError(f"checkpoint file {mixed[0]} holds a draft head (mtp.*) beside the main "
+                         "model's tensors: write the main model's tensors to a file of their own")
+    main_files = sorted(f for f, kinds in files.items() if kinds == {False})
     for split in ("train", "val"):
         if not os.path.exists(os.path.join(args.data, f"{split}.bin")):
             raise ValueError(f"--data {args.data!r} has no {split}.bin (run "
                              "scripts/prepare_data.py first)")
     os.makedirs(args.out, exist_ok=True)
     cfg_main, params = checkpoint.load_params(args.checkpoint)
+    params.pop("dspark", None)                      # a shipped head is replaced
     cfg = dt.with_dspark(cfg_main, stages=args.stages, block_size=args.block_size,
                          markov_rank=args.markov_rank, experts=args.experts)
     tp_main = training.train_params_from(params)
@@ -169,9 +176,8 @@ def run(args) -> dict:
     tpd = dt.join_stage_biases(trainable, biases)
     ck = os.path.join(args.out, "checkpoint")
     os.makedirs(ck, exist_ok=True)
-    for name in os.listdir(args.checkpoint):
-        if name.endswith(".safetensors") and name != "dspark.safetensors":
-            shutil.copyfile(os.path.join(args.checkpoint, name), os.path.join(ck, name))
+    for f in main_files:
+        shutil.copyfile(f, os.path.join(ck, os.path.basename(f)))
     flat = training.export_tensors({"dspark": tpd}, cfg, only_dspark=True)
     checkpoint.write_safetensors(os.path.join(ck, "dspark.safetensors"), flat)
     with open(os.path.join(ck, "config.json"), "w") as f:

@@ -22,7 +22,7 @@ def test_smoke_run_writes_every_case(tmp_path):
     assert (dec["kind"], dec["k"], ver["kind"], ver["k"]) == ("decode", 0, "verify", 3)
     assert dec["ms"] > 0 and ver["ms"] > 0
     assert ver["x_decode"] == pytest.approx(ver["ms"] / dec["ms"])
-    assert ver["break_even_acceptance"] == ver["x_decode"]
+    assert ver["break_even_tokens_per_call"] == ver["x_decode"]
     assert dec["xla_compiles"] >= 1 and ver["xla_compiles"] >= 1   # the first calls compile
 
 

@@ -155,8 +155,8 @@ def test_train_draft_script_smoke(tmp_path, tiny_a_bf16):
     """``scripts/train_draft.py`` on the tiny-a-bf16 main model without its head (2 steps on
     random tokens): the history, an exported checkpoint the loader reads with the new head
     (``mtp.*`` in ``dspark.safetensors``, DSpark on in its config), and the acceptance
-    measurement with the tokens of plain decoding; a checkpoint that already ships a head is
-    refused, naming its file."""
+    measurement with the tokens of plain decoding; run again on that export, the old head is
+    replaced; a file mixing a head with the main model's tensors is refused."""
     import importlib.util
     import json
     import os
@@ -194,8 +194,13 @@ def test_train_draft_script_smoke(tmp_path, tiny_a_bf16):
     assert len(params["dspark"]["stages"]) == 3
     assert [a["drafts"] for a in s["acceptance"]] == [5, "auto"]
     assert all(a["same_tokens_as_plain"] for a in s["acceptance"])
-    with pytest.raises(ValueError, match="already ships a draft head"):
-        script.run(script.parse_args(["--checkpoint", str(ck), "--data", str(data),
-                                      "--out", str(tmp_path / "again")]))
+    # its own export again: the old head (a file of its own) is replaced, not copied
+    s2 = script.run(script.parse_args(argv[:1] + [str(ck)] + argv[2:5] + [str(tmp_path / "again")]
+                                      + argv[6:]))
+    assert sorted(os.listdir(tmp_path / "again" / "checkpoint")) == sorted(os.listdir(ck))
+    assert s2["steps"] == 2
+    with pytest.raises(ValueError, match="holds a draft head .* beside the main"):
+        script.run(script.parse_args(["--checkpoint", fixture_dir("tiny-a-bf16"),
+                                      "--data", str(data), "--out", str(tmp_path / "mixed")]))
     with pytest.raises(SystemExit):
         script.parse_args(["--experts", "2,3"])
