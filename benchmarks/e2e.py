@@ -65,6 +65,7 @@ from pallas_kernels.impls import check_family
 GB = 1e9
 ROW_KINDS = ("prefill", "decode")
 MODES = ("ced", "exact")
+FILLS = MODES + ("synthetic",)
 DEFAULT_OUT = os.path.join("docs", "results", "h200_e2e.json")
 DEFAULT_PEER = os.path.join(".whl", "peer_nemo.py")
 PEER_PRESETS = {"mid": "mid", "tiny": "tiny"}   # our config -> the peer's preset
@@ -255,9 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="state capacity beyond the prompt or context (default 256; the same "
                          "for prefill rows and decode fills, so that equal lengths share "
                          "their compiled prefill)")
-    ap.add_argument("--fill", choices=MODES, default="exact",
-                    help="prefill mode that fills the decode rows' state (default exact: it "
-                         "compiles several times faster than ced at these sizes)")
+    ap.add_argument("--fill", choices=FILLS, default="exact",
+                    help="how the decode rows' state is filled: a prefill of that mode "
+                         "(default exact: it compiles several times faster than ced at these "
+                         "sizes), or synthetic (random entries, no model call and no compile: "
+                         "synthetic_state)")
     ap.add_argument("--fill-batch", choices=("tile", "prefill"), default="tile",
                     help="tile: prefill one row and repeat it over the batch (default); "
                          "prefill: prefill every row")
@@ -466,10 +469,59 @@ def _tile(state, batch: int):
     return jax.tree.map(lambda x: jnp.repeat(x, batch, axis=0), state)
 
 
+def synthetic_state(cfg: ModelConfig, batch: int, capacity: int, context: int,
+                    seed: int = 0) -> st.InferenceState:
+    """A state of ``batch`` rows at position ``context`` whose every ring, global entry, tail
+    and history holds random values of its format (FP4 / FP8 codes, scales in a normal range,
+    finite fp32 tails), made without running the model: a decode step or verify on it reads
+    and computes what it would after a real prefill of ``context`` tokens (their cost does not
+    depend on the values), so timing rows need no prefill compile. Not a state any prompt
+    produces; for timing only. Raises ``ValueError`` if ``context`` is not in [0, capacity)."""
+    if not 0 <= context < capacity:
+        raise ValueError(f"context must be in [0, capacity={capacity}), got {context}")
+    key = iter(jax.random.split(jax.random.key(seed), 4096))
+
+    def codes(x):          # uint8 FP4 code bytes (e2m1 pairs): any byte is a finite pair
+        return jax.random.randint(next(key), x.shape, 0, 256, jnp.int32).astype(jnp.uint8)
+
+    def e8m0(x):           # uint8 E8M0 scales around 2^0
+        return jax.random.randint(next(key), x.shape, 120, 131, jnp.int32).astype(jnp.uint8)
+
+    def values(x, scale=1.0):   # normal values in x's float format
+        return (scale * jax.random.normal(next(key), x.shape, jnp.float32)).astype(x.dtype)
+
+    def ring(r):
+        return r.replace(kv=values(r.kv), scale=e8m0(r.scale))
+
+    s = st.init_state(cfg, batch, capacity)
+    sources = {}
+    for i, src in s.sources.items():
+        tail = src.tail
+        if tail is not None:
+            tail = st.CompressorTail(kv=values(tail.kv), score=values(tail.score))
+        sources[i] = src.replace(main=codes(src.main),
+                                 main_scale=jnp.abs(values(src.main_scale, 0.05)),
+                                 index=codes(src.index), index_scale=e8m0(src.index_scale),
+                                 tail=tail)
+    out = s.replace(pos=jnp.full((batch,), context, jnp.int32),
+                    windows=tuple(ring(r) for r in s.windows), sources=sources)
+    if s.engram_history is not None:
+        out = out.replace(engram_history=jax.random.randint(
+            next(key), s.engram_history.shape, 0, cfg.vocab_size, jnp.int32))
+    if s.enc_ring is not None:
+        out = out.replace(enc_ring=st.EncoderRing(x=values(s.enc_ring.x),
+                                                  pre_mix=values(s.enc_ring.pre_mix)))
+    if s.dspark is not None:
+        out = out.replace(dspark=s.dspark.replace(
+            features=values(s.dspark.features),
+            windows=tuple(ring(r) for r in s.dspark.windows)))
+    return out
+
+
 def fill_state(params, cfg: ModelConfig, context: int, batch: int, args):
     """A state of ``batch`` rows holding ``context`` random tokens each, capacity ``context +
     --headroom``: a ``--fill`` prefill of one row tiled to the batch (``--fill-batch tile``),
-    or of every row. Returns ``(state, info)``."""
+    or of every row; ``--fill synthetic``: :func:`synthetic_state`. Returns ``(state, info)``."""
     cap = context + args.headroom
     t0 = time.perf_counter()
     mesh = _mesh(args)
@@ -477,6 +529,11 @@ def fill_state(params, cfg: ModelConfig, context: int, batch: int, args):
     if how == "tile" and sharding.axis_size(mesh, "data") > 1:
         how = "prefill (a row does not split over the mesh's data axis)"
     state = None
+    if args.fill == "synthetic":
+        how = "synthetic"
+        state = synthetic_state(cfg, batch, cap, context, args.seed)
+        if mesh is not None:
+            state = sharding.shard_state(state, mesh)
     if how == "tile":
         s1 = st.init_state(cfg, 1, cap)
         out, s1 = prefill_all(params, cfg, prompt_tokens(cfg, 1, context, args.seed), s1,

@@ -3,8 +3,10 @@
 tokens per call a speculative step needs to pay for itself (docs/benchmarks.md,
 "Speculative decoding").
 
-For each batch size the state is filled as in ``dsv41-bench-e2e``'s decode rows (a prefill of
-``--context`` random tokens, tiled over the batch), then ``decode_step`` and ``verify`` with
+For each batch size the state is filled as in ``dsv41-bench-e2e``'s decode rows (``--fill``:
+random entries at position ``--context`` by default, :func:`benchmarks.e2e.synthetic_state`,
+which compiles nothing; or a prefill of ``--context`` random tokens, tiled over the batch),
+then ``decode_step`` and ``verify`` with
 ``k`` = each of ``--drafts`` run ``--steps`` timed calls each (after one compiling call), each
 call timed to its logits; the median counts. ``verify`` commits by its greedy rule on random
 drafts (in practice one position per call), so the state advances as in decoding.
@@ -19,6 +21,7 @@ model's token) for one verify and one draft; it beats plain decoding when
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import statistics
 import sys
@@ -26,12 +29,13 @@ import time
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import config as bench_config
-from benchmarks.e2e import fill_state
+from benchmarks.e2e import FILLS, fill_state
 from benchmarks.timing import write_json, xla_compiles
-from dsv41_jax import model, random_weights
+from dsv41_jax import compile_cache, model, random_weights
 
 
 def _ints(text: str) -> list[int]:
@@ -46,12 +50,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=_ints, default=[1, 8, 64], help="batch sizes (1,8,64)")
     p.add_argument("--drafts", type=_ints, default=[1, 2, 3, 4, 5], help="k values (1..5)")
     p.add_argument("--steps", type=int, default=10, help="timed calls per case (default 10)")
+    p.add_argument("--fill", choices=FILLS, default="synthetic",
+                   help="how the state is filled (default synthetic: random entries, no "
+                        "prefill to compile; ced / exact: a prefill of that mode)")
     p.add_argument("--attn-impl", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="start no case once elapsed + the longest case so far would pass this")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every case of a batch size at once, in threads, before "
+                        "timing (default on; the compiles overlap on the host's cores)")
+    p.add_argument("--cache-dir", default=None,
+                   help="JAX persistent compilation cache (dsv41_jax.compile_cache.enable; "
+                        "default none)")
     p.add_argument("--out", default="verify.json", help="JSON result (rewritten per case)")
     return p
+
+
+def precompile(calls: dict) -> dict:
+    """Run each zero-argument function of ``calls`` once, all at once in threads (their jit
+    compilations overlap; XLA compiles outside Python's lock). Returns ``{name: seconds to
+    its result}`` and ``"all"``: the wall time of the lot. An exception is raised again."""
+    def one(item):
+        name, fn = item
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        return name, time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max(len(calls), 1)) as ex:
+        out = dict(ex.map(one, calls.items()))
+    out["all"] = time.perf_counter() - t0
+    return out
 
 
 def _timed(call, steps: int) -> tuple[float, float]:
@@ -70,11 +100,13 @@ def _timed(call, steps: int) -> tuple[float, float]:
 def run(args) -> dict:
     """Every (batch, case) of ``args``; returns the results (also written to ``args.out``)."""
     t_start = time.perf_counter()
+    if args.cache_dir:
+        compile_cache.enable(args.cache_dir)
     cfg, _ = bench_config.e2e_config(args.config)
     if args.config == "tiny":
         args.context = min(args.context, 64)
     params = model.prepare_params(random_weights.random_params_device(cfg, args.seed), cfg)
-    fill_args = SimpleNamespace(headroom=args.steps * 8 + 64, fill="exact", chunk=None,
+    fill_args = SimpleNamespace(headroom=args.steps * 8 + 64, fill=args.fill, chunk=None,
                                 attn_impl=args.attn_impl, seed=args.seed, fill_batch="tile",
                                 device_mesh=None)
     dev = jax.devices()[0]
@@ -95,6 +127,21 @@ def run(args) -> dict:
 
         cases = [("decode", 0)] + [("verify", k) for k in args.drafts]
         row = {"batch": B, **info, "cases": []}
+        if args.precompile:
+            def first(kind, k, B=B):
+                s = jax.tree.map(jnp.copy, box["state"])
+                if kind == "decode":
+                    return model.decode_step(params, cfg, s, np.zeros((B,), np.int32),
+                                             attn_impl=args.attn_impl)[0]
+                return model.verify(params, cfg, s, np.zeros((B, k + 1), np.int32),
+                                    attn_impl=args.attn_impl)[0]
+            c0 = xla_compiles()
+            pre = precompile({f"{kind}{k or ''}": (lambda kind=kind, k=k: first(kind, k))
+                              for kind, k in cases})
+            row["precompile_s"] = pre
+            row["precompile_xla_compiles"] = xla_compiles() - c0
+            print(f"B={B}: {len(cases)} cases compiled at once in {pre['all']:.1f} s "
+                  f"(longest {max(v for n, v in pre.items() if n != 'all'):.1f} s)", flush=True)
         for kind, k in cases:
             elapsed = time.perf_counter() - t_start
             if args.budget_s and elapsed + longest > args.budget_s:

@@ -225,6 +225,7 @@ def generate(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,
                     batch_invariant=bool(batch_invariant), mesh=mesh)
     if not eos:   # every row takes max_new_tokens - 1 steps: known without a device read
         model._with_host_positions(res.state, pos + max_new_tokens - 1)
+    sharding.mark_placed(res.state, mesh)
     return res
 
 

@@ -841,7 +841,7 @@ def prefill(params, cfg: ModelConfig, tokens, state, lengths=None, *, mode: str 
     out, state = _chunk_jit(params, tokens, n, state, embeds_override,
                             image_mask, jnp.asarray(compat_stale_index_k), static=static,
                             mode=mode, replay_len=replay_len, all_logits=all_logits)
-    return out, _with_host_positions(state, pos + lengths)
+    return out, sharding.mark_placed(_with_host_positions(state, pos + lengths), mesh)
 
 
 def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k: bool = False,
@@ -869,13 +869,12 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
                     mesh=_check_mesh(cfg, mesh, B))
     params, state = _placed(params, cfg, state, mesh)
     pos = host_positions(state)
-    out, state = _chunk_jit(params, sharding.batch_sharded(jnp.asarray(tokens, jnp.int32)[:, None],
-                                                           mesh),
-                            sharding.batch_sharded(jnp.ones((B,), jnp.int32), mesh), state, None,
+    out, state = _chunk_jit(params, sharding.batch_sharded(tokens.astype(np.int32)[:, None], mesh),
+                            sharding.batch_sharded(np.ones((B,), np.int32), mesh), state, None,
                             None,
                             jnp.asarray(compat_stale_index_k), static=static,
                             mode="exact", replay_len=1, all_logits=False)
-    state = _with_host_positions(state, pos + 1)
+    state = sharding.mark_placed(_with_host_positions(state, pos + 1), mesh)
     if collect:
         return out, state
     return out.logits, state

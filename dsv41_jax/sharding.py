@@ -275,7 +275,8 @@ def on_mesh(params, mesh: Mesh) -> bool:
     :class:`NamedSharding` of that mesh, whatever its spec)."""
     leaves = jax.tree.leaves(params)
     return bool(leaves) and all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
-                                and x.sharding.mesh == mesh for x in leaves)
+                                and (x.sharding.mesh is mesh or x.sharding.mesh == mesh)
+                                for x in leaves)
 
 
 def _pad_engram_rows(params, mesh: Mesh):
@@ -385,14 +386,33 @@ def state_shardings(state, mesh: Mesh, *, strict: bool = True):
 
 def shard_state(state, mesh: Mesh):
     """``state`` placed on ``mesh`` by :func:`state_shardings` (``jax.device_put``), the host
-    positions :func:`dsv41_jax.model.host_positions` knows kept. Raises ``ValueError`` for a
-    mesh not of :func:`make_mesh` or a batch the ``data`` axis does not divide."""
+    positions :func:`dsv41_jax.model.host_positions` knows kept. A state this function or a
+    compiled step on ``mesh`` returned (:func:`mark_placed`) is returned as it is: a decode
+    step then spends no host time re-placing its hundreds of arrays. Raises ``ValueError``
+    for a mesh not of :func:`make_mesh` or a batch the ``data`` axis does not divide."""
+    if placed_on(state) is mesh:
+        return state
     check_mesh(mesh)
     known = getattr(state, "_host_pos", None)
     out = jax.device_put(state, state_shardings(state, mesh))
     if known is not None:
         object.__setattr__(out, "_host_pos", known)
-    return out
+    return mark_placed(out, mesh)
+
+
+def mark_placed(state, mesh: Mesh | None):
+    """Note on the state object (outside the pytree, like the host positions) that its arrays
+    lie on ``mesh`` by :func:`state_shardings`; for states a compiled step on ``mesh``
+    returned (the step constrains them there). Returns ``state``."""
+    if mesh is not None:
+        object.__setattr__(state, "_placed_on", mesh)
+    return state
+
+
+def placed_on(state) -> Mesh | None:
+    """The mesh :func:`mark_placed` noted on ``state``, or None (a state made or changed
+    elsewhere: ``replace`` returns a new object without the note)."""
+    return getattr(state, "_placed_on", None)
 
 
 def constrain_state(state, mesh: Mesh | None):

@@ -514,8 +514,10 @@ def block_wiring(p: dict, X, pre_mix, attention, cfg: ModelConfig, k: int | None
     token, default ``n_activated_experts``). ``X`` fp32 [..., S, C, D], ``pre_mix`` [..., S,
     C]. Returns ``(X, pre_mix, aux, load [E])``; shared by the backbone blocks and the DSpark
     stages (:mod:`dsv41_jax.draft_training`)."""
+    # the Sinkhorn's jnp reference as a loop: differentiable (the GPU kernel has no VJP) and
+    # short to compile on every backend
     hc = dict(hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-              norm_eps=cfg.norm_eps)
+              norm_eps=cfg.norm_eps, impl="xla", loop=True)
     a_pre, a_post, a_comb = mhc.hc_mixes(X, p["hc_attn_fn"], p["hc_attn_scale"],
                                          p["hc_attn_base"], **hc)
     xa = rms_norm(_hc_pre(X, pre_mix), p["attn_norm"]["weight"], cfg.norm_eps)

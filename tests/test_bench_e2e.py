@@ -259,3 +259,31 @@ def test_bench_e2e_tiny(tmp_path, capsys):
     assert dec["bytes"] == e2e.decode_bytes(e2e.bench_config.e2e_config("tiny")[0], 1, 64)
     if res.get("figure"):
         assert (tmp_path / "e2e.png").stat().st_size > 0
+
+
+def test_synthetic_state(tiny):
+    """The synthetic fill: every array of an empty state's shape and dtype, the position set,
+    finite values in the float arrays, scales in their normal range; a decode step on it
+    gives finite logits; a context outside the capacity is refused."""
+    import numpy as np
+
+    from dsv41_jax import model, state as st
+
+    empty = st.init_state(tiny, 2, 80)
+    s = e2e.synthetic_state(tiny, 2, 80, 64, seed=1)
+    assert jax.tree.structure(s) == jax.tree.structure(empty)
+    for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(empty)):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    assert np.asarray(s.pos).tolist() == [64, 64]
+    for x in jax.tree.leaves(s):
+        if jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+            assert np.isfinite(np.asarray(x, np.float32)).all()
+    for src in s.sources.values():
+        assert np.asarray(src.main).std() > 50                 # random code bytes
+        assert 120 <= np.asarray(src.index_scale).min() <= np.asarray(src.index_scale).max() <= 130
+        assert (np.asarray(src.main_scale, np.float32) >= 0).all()
+    params = model.prepare_params(random_weights.random_params_device(tiny, 0), tiny)
+    logits, after = model.decode_step(params, tiny, s, np.array([1, 2], np.int32))
+    assert np.isfinite(np.asarray(logits)).all() and np.asarray(after.pos).tolist() == [65, 65]
+    with pytest.raises(ValueError, match="context must be in"):
+        e2e.synthetic_state(tiny, 1, 64, 64)

@@ -13,7 +13,7 @@ from benchmarks import speculative
 def test_smoke_run_writes_every_case(tmp_path):
     out = tmp_path / "verify.json"
     assert speculative.main(["--config", "tiny", "--batches", "2", "--drafts", "3",
-                             "--steps", "2", "--out", str(out)]) == 0
+                             "--steps", "2", "--fill", "exact", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["benchmark"] == "verify" and res["context"] == 64 and res["skipped"] == []
     (row,) = res["rows"]
@@ -39,3 +39,13 @@ def test_budget_skips_cases(tmp_path):
 def test_refuses_empty_or_zero(flag):
     with pytest.raises(SystemExit, match=f"{flag} must list integers >= 1"):
         speculative.main([flag, "0"])
+
+
+def test_synthetic_fill_is_the_default(tmp_path):
+    out = tmp_path / "verify.json"
+    assert speculative.main(["--config", "tiny", "--batches", "3", "--drafts", "2",
+                             "--steps", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["fill_mode"], row["fill_batch"]) == ("synthetic", "synthetic")
+    assert [c["kind"] for c in row["cases"]] == ["decode", "verify"]
+    assert all(c["ms"] > 0 for c in row["cases"])

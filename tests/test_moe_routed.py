@@ -102,3 +102,12 @@ def test_prefill_and_decode_routed_equal_dense():
     with pytest.raises(ValueError, match="moe_impl must be one of"):
         model.prefill(p, mcfg, ids, state, moe_impl="megablox")
     assert int(np.asarray(state.pos).max()) == 0
+
+
+def test_gathered_path_rule():
+    """Few pairs run gathered: below the expert count, and below 64 pairs where experts are
+    few (a verify of up to 6 positions at the mid config's 16 experts, top-6)."""
+    assert moe_layer.gathered(36, 16) and moe_layer.gathered(63, 16)
+    assert not moe_layer.gathered(64, 16) and not moe_layer.gathered(80, 4)
+    assert moe_layer.gathered(383, 384) and not moe_layer.gathered(384, 384)
+    assert moe_layer.GATHERED_PAIRS == 64

@@ -86,6 +86,7 @@ SOURCE_GROUPS = (
     ("pallas_kernels/fp4/", None, "quantisation"),
     ("dsv41_jax/layers/compressor.py", None, "compressor"),
     ("dsv41_jax/layers/mhc.py", None, "mhc"),
+    ("pallas_kernels/sinkhorn/", None, "mhc"),
 )
 # (fragment of the op_name, group) where no row of SOURCE_GROUPS matches the file.
 OP_NAME_GROUPS = (
@@ -99,6 +100,7 @@ KERNEL_NAME_GROUPS = (
     ("csa2_indexer", "indexer"),
     ("fp4_grouped_matmul", "moe"),
     ("fp8_stacked_gemv", "projections"),
+    ("sinkhorn_pairs", "mhc"),
 )
 # (inner, outer): an instruction whose innermost classified frame is of group ``inner`` takes
 # group ``outer`` where a frame further out is of that group: the experts' matmuls (dense

@@ -12,15 +12,21 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from dsv41_jax.layers.linear import rms_norm
+from pallas_kernels import sinkhorn
 
 
 def sinkhorn_split(mixes: Float[Array, "... M"], scale: Float[Array, "3"], base: Float[Array, "M"],
-                   hc: int, iters: int, eps: float):
+                   hc: int, iters: int, eps: float, *, impl: str = "auto",
+                   loop: bool | None = None):
     """``hc_split_sinkhorn``: mixes ``[..., (2+hc)*hc]`` -> pre ``[...,hc]``, post ``[...,hc]``,
     comb ``[..., hc, hc]`` (row i = source stream, column j = output stream). fp32. See
     docs/architecture.md, "mHC: hyper-connections".
 
-    Row softmax (+eps), a column normalisation, then ``iters - 1`` (row, column) pairs.
+    Row softmax (+eps), a column normalisation, then ``iters - 1`` (row, column) pairs
+    (:func:`pallas_kernels.sinkhorn.sinkhorn_pairs`: ``impl="auto"`` is the GPU kernel on an
+    NVIDIA GPU, the jnp reference elsewhere; ``impl="xla"`` where gradients are needed).
+    ``loop``: the reference's pairs as a ``fori_loop`` (default: on a CPU, where unrolled they
+    are most of a layer body's compile time; elsewhere unrolled, one fused kernel on a TPU).
     """
     m = mixes.astype(F32)
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
@@ -30,31 +36,24 @@ def sinkhorn_split(mixes: Float[Array, "... M"], scale: Float[Array, "3"], base:
     c = jax.nn.softmax(c, axis=-1) + eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
-    def row_col(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    # On a CPU a loop: unrolled, the 19 iterations of every sublayer are most of a layer
-    # body's compile time. Elsewhere unrolled: XLA fuses them into one kernel, where a loop
-    # would launch two per iteration.
-    if jax.default_backend() == "cpu":
-        c = jax.lax.fori_loop(0, iters - 1, row_col, c)
-    else:
-        for i in range(iters - 1):
-            c = row_col(i, c)
+    if loop is None:
+        loop = jax.default_backend() == "cpu"
+    c = sinkhorn.sinkhorn_pairs(c, iters - 1, eps, impl=impl, loop=loop)
     return pre, post, c
 
 
 def hc_mixes(x: Float[Array, "B S C D"], fn: Float[Array, "M CD"], scale, base, *, hc: int,
-             iters: int, hc_eps: float, norm_eps: float):
-    """Coefficient head of one sublayer: ``(pre, post, comb)`` from the stream state.
+             iters: int, hc_eps: float, norm_eps: float, impl: str = "auto",
+             loop: bool | None = None):
+    """Coefficient head of one sublayer: ``(pre, post, comb)`` from the stream state
+    (``impl``, ``loop``: the Sinkhorn's, :func:`sinkhorn_split`).
 
     See docs/architecture.md, "mHC: hyper-connections".
     """
     xf = x.astype(F32).reshape(*x.shape[:-2], -1)
     mixes = jnp.einsum("...k,mk->...m", xf, fn, precision=HIGHEST, preferred_element_type=F32)
     mixes = mixes * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
-    return sinkhorn_split(mixes, scale, base, hc, iters, hc_eps)
+    return sinkhorn_split(mixes, scale, base, hc, iters, hc_eps, impl=impl, loop=loop)
 
 
 def hc_pre(x: Float[Array, "*batch C D"], pre: Float[Array, "*batch C"]

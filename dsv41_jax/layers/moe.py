@@ -178,6 +178,20 @@ def _padded_experts(x: Float[Array, "N D"], experts: dict, token: Int[Array, "P"
 
 
 MOE_IMPLS = ("auto", "dense", "routed")
+#: Calls of fewer (token, expert) pairs than ``max(E, GATHERED_PAIRS)`` run the gathered path
+#: (:func:`gathered`). The floor matters for configs with few experts (the mid benchmark's 16):
+#: there a verify of 3-6 positions (18-36 pairs) went through the grouped matmul, whose layout
+#: steps cost some 2,500 small launches a step (on the H200, a verify of 3 positions 22.5 ms
+#: against 16.6 ms for 2 gathered positions), where gathering 64 experts' FP4 weights per
+#: layer reads about 0.1 GB.
+GATHERED_PAIRS = 64
+
+
+def gathered(n_pairs: int, n_exp: int) -> bool:
+    """Whether a call routing ``n_pairs`` (token, expert) pairs over ``n_exp`` experts runs
+    the gathered path (each token its ``k`` experts, their packed weights gathered): fewer
+    pairs than ``max(n_exp, GATHERED_PAIRS)``."""
+    return n_pairs < max(n_exp, GATHERED_PAIRS)
 
 
 def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
@@ -185,9 +199,9 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
         ) -> tuple[Float[Array, "N D"], Int[Array, "N k"], Float[Array, "N k"]]:
     """MoE sublayer on flattened tokens: ``(bf16 output, expert ids, routing weights)``.
 
-    When the tokens route to fewer (token, expert) pairs than there are experts
-    (``N * k < E``, e.g. a decode step of a small batch), each token runs only its ``k``
-    experts, their packed weights gathered; otherwise ``impl`` decides: ``"dense"`` runs the
+    When the tokens route to few (token, expert) pairs (:func:`gathered`: ``N * k <
+    max(E, GATHERED_PAIRS)``, e.g. a decode step of a small batch or a verify), each token runs
+    only its ``k`` experts, their packed weights gathered; otherwise ``impl`` decides: ``"dense"`` runs the
     routed experts densely over the stacked expert axis (a ``lax.scan`` in increasing expert
     id, non-routed tokens carry weight 0 and contribute an exact 0), ``"routed"`` runs grouped
     matmuls over the (token, expert) pairs only (:func:`_grouped_experts`). All reproduce the
@@ -225,11 +239,11 @@ def _routed_sum(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
     ``n_exp``, as on one device."""
     k = idx.shape[1]
     if (impl == "routed" and grouped_matmul.is_kernel_form(experts["w1"])
-            and x.shape[0] * k >= n_exp):
+            and not gathered(x.shape[0] * k, n_exp)):
         # the stacks handed on whole: the grouped matmul reads them in place
         return _grouped_experts(x, experts, idx, w, limit)
     experts = {name: grouped_matmul.in_layer(v) for name, v in experts.items()}
-    if x.shape[0] * k < n_exp:
+    if gathered(x.shape[0] * k, n_exp):
         return _routed_experts(x, experts, idx, w, limit)
     if impl == "routed":
         return _grouped_experts(x, experts, idx, w, limit)

@@ -1,0 +1,131 @@
+"""The Sinkhorn pairs of mHC (:mod:`pallas_kernels.sinkhorn`): the Triton kernel in interpret
+mode against the jnp reference and an explicit IEEE computation, its build for an H200, its
+refusals, and the model's GPU path running it."""
+
+from __future__ import annotations
+
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.triton import gpu_info
+
+import dsv41_jax  # noqa: F401  (XLA numerics flag before JAX starts)
+from dsv41_jax.layers import mhc
+from pallas_kernels import sinkhorn
+from pallas_kernels.sinkhorn import triton as sinkhorn_triton
+
+EPS = 1e-6
+
+
+def _matrices(shape, seed=0):
+    """Row-softmax-like positive matrices, as the pairs receive them."""
+    rng = np.random.default_rng(seed)
+    return rng.uniform(0.01, 1.0, shape).astype(np.float32)
+
+
+def _ieee(c: np.ndarray, pairs: int, eps: float = EPS) -> np.ndarray:
+    """The pairs in numpy fp32: sums in increasing index, true divisions."""
+    x, e = c.copy(), np.float32(eps)
+    for _ in range(pairs):
+        s = ((x[..., 0] + x[..., 1]) + x[..., 2]) + x[..., 3]
+        x = x / (s[..., None] + e)
+        s = ((x[..., 0, :] + x[..., 1, :]) + x[..., 2, :]) + x[..., 3, :]
+        x = x / (s[..., None, :] + e)
+    return x
+
+
+@pytest.mark.parametrize("shape, pairs", [((3, 4, 4), 1), ((300, 4, 4), 19),
+                                          ((2, 5, 4, 4), 19), ((1, 1, 4, 4), 7)])
+def test_interpret_matches_reference(shape, pairs):
+    """Within a few fp32 ulps of the reference and of the explicit IEEE computation (XLA on
+    a CPU turns a division by a broadcast sum into a reciprocal and products: ulp-level
+    differences that 19 pairs keep at that level), doubly stochastic at the end."""
+    c = _matrices(shape)
+    got = np.asarray(sinkhorn.sinkhorn_pairs(jnp.asarray(c), pairs, EPS, impl="gpu_interpret"))
+    assert got.shape == shape and got.dtype == np.float32
+    for want in (np.asarray(sinkhorn.sinkhorn_pairs(jnp.asarray(c), pairs, EPS, impl="xla")),
+                 np.asarray(sinkhorn.sinkhorn_pairs(jnp.asarray(c), pairs, EPS, impl="xla",
+                                                    loop=True)),
+                 _ieee(c, pairs)):
+        np.testing.assert_allclose(got, want, rtol=4e-7 * pairs + 2e-7, atol=0)
+    if pairs >= 7:
+        np.testing.assert_allclose(got.sum(-2), 1.0, atol=1e-5)
+        np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-3)
+
+
+def test_reference_forms_and_a_ragged_tail():
+    """The reference's loop and unrolled forms agree within a few ulps after one pair (XLA
+    fuses them differently), and the kernel's blocks cover a ragged tail (T = 130 > 128)."""
+    c = _matrices((130, 4, 4), seed=3)
+    a = np.asarray(sinkhorn.sinkhorn_pairs(jnp.asarray(c), 1, EPS, impl="xla"))
+    b = np.asarray(sinkhorn.sinkhorn_pairs(jnp.asarray(c), 1, EPS, impl="xla", loop=True))
+    np.testing.assert_allclose(a, b, rtol=5e-7, atol=0)
+    k = np.asarray(sinkhorn.sinkhorn_pairs(jnp.asarray(c), 3, EPS, impl="gpu_interpret"))
+    np.testing.assert_allclose(k, _ieee(c, 3), rtol=1.5e-6, atol=0)
+    assert not np.allclose(k[-1], c[-1])                 # the last block's rows were processed
+
+
+def test_zero_pairs_and_refusals():
+    c = jnp.asarray(_matrices((2, 4, 4)))
+    assert (np.asarray(sinkhorn.sinkhorn_pairs(c, 0, EPS, impl="gpu_interpret"))
+            == np.asarray(c)).all()
+    with pytest.raises(ValueError, match="pairs must be >= 0"):
+        sinkhorn.sinkhorn_pairs(c, -1, EPS)
+    with pytest.raises(ValueError, match=r"c must be \[..., hc, hc\]"):
+        sinkhorn.sinkhorn_pairs(c[..., :3], 2, EPS)
+    with pytest.raises(ValueError, match="c must be float32"):
+        sinkhorn.sinkhorn_pairs(c.astype(jnp.bfloat16), 2, EPS)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        sinkhorn.sinkhorn_pairs(c, 2, EPS, impl="cuda")
+
+
+def test_sinkhorn_split_uses_the_kernel_family():
+    """mHC's split with the kernel (interpret) equals its reference path within ulps, and the
+    reference's loop / unrolled choice does not change pre and post."""
+    rng = np.random.default_rng(5)
+    m = jnp.asarray(rng.normal(0, 1, (2, 3, 24)), jnp.float32)
+    scale, base = jnp.asarray([0.9, 1.1, 1.3]), jnp.asarray(rng.normal(0, 0.5, 24), jnp.float32)
+    ref = mhc.sinkhorn_split(m, scale, base, 4, 20, EPS, impl="xla", loop=True)
+    ker = mhc.sinkhorn_split(m, scale, base, 4, 20, EPS, impl="gpu_interpret")
+    for a, b in zip(ref[:2], ker[:2]):
+        assert (np.asarray(a) == np.asarray(b)).all()
+    np.testing.assert_allclose(np.asarray(ker[2]), np.asarray(ref[2]), rtol=1e-5, atol=0)
+
+
+def _h200_export(f, *args):
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
+        return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=skip)(*args)
+
+
+def test_kernel_lowers_for_h200():
+    """A decode step's and a prefill chunk's shapes: one Triton call each, with the IEEE
+    division in its PTX."""
+    for T in (1, 4096):
+        c = jnp.zeros((1, T, 4, 4), jnp.float32)
+        ex = _h200_export(lambda c: sinkhorn_triton.sinkhorn_pairs(c, 19, EPS), c)
+        text = ex.mlir_module()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        assert [a.shape for a in ex.out_avals] == [(1, T, 4, 4)]
+
+
+def test_decode_step_runs_the_kernel_on_a_gpu():
+    """Built for an H200, every mHC head of a decode step runs its pairs in the kernel (two per
+    block: attention and FFN heads), and the training forward's stays differentiable jnp."""
+    from benchmarks.config import e2e_config
+    from dsv41_jax import model, state as st
+    from dsv41_jax.random_weights import random_params_device
+    from pallas_kernels import impls
+    cfg, _ = e2e_config("tiny")
+    p = model.prepare_params(random_params_device(cfg, 0), cfg)
+    state = st.init_state(cfg, 1, 64)
+    with mock.patch.object(impls, "on_gpu", lambda backend=None: True):
+        ex = _h200_export(model.decode_fn(cfg, attn_impl="xla"), p, state,
+                          jnp.zeros((1,), jnp.int32))
+    names = re.findall(r'name = "([a-z0-9_]+)"', ex.mlir_module())
+    assert "sinkhorn_pairs" in names
