@@ -23,7 +23,15 @@ def test_measure_wall_and_trace_on_cpu():
                    profile=True)
     assert m["wall_s"] > 0 and m["device_s"] is None
     assert m["kernels"] and all(k["us_per_op"] >= 0 for k in m["kernels"])
-    assert set(timing.measure(lambda a: a + 1, [(jnp.ones((8,)),)], 1)) == {"wall_s"}
+    m = timing.measure(lambda a: a + 1, [(jnp.ones((8,)),)], 3)
+    assert set(m) == {"wall_s", "best_s"} and 0 < m["best_s"] <= m["wall_s"]
+
+
+def test_roofline_smoke_on_cpu():
+    """The roofline's rates on CPU with small sizes: positive, the copy rate the best method's."""
+    roof = timing.roofline(1, copy_bytes=1 << 16, matmul_n=64)
+    assert roof["copy_GBps"] == max(roof["copy_GBps_by_method"].values()) > 0
+    assert roof["bf16_matmul_TFLOPs"] > 0
 
 
 def test_rates_and_best_use_the_device_time():

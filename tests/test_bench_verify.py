@@ -13,7 +13,8 @@ from benchmarks import speculative
 def test_smoke_run_writes_every_case(tmp_path):
     out = tmp_path / "verify.json"
     assert speculative.main(["--config", "tiny", "--batches", "2", "--drafts", "3",
-                             "--steps", "2", "--fill", "exact", "--out", str(out)]) == 0
+                             "--steps", "2", "--fill", "exact", "--no-precompile",
+                             "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["benchmark"] == "verify" and res["context"] == 64 and res["skipped"] == []
     (row,) = res["rows"]
@@ -49,3 +50,7 @@ def test_synthetic_fill_is_the_default(tmp_path):
     assert (row["fill_mode"], row["fill_batch"]) == ("synthetic", "synthetic")
     assert [c["kind"] for c in row["cases"]] == ["decode", "verify"]
     assert all(c["ms"] > 0 for c in row["cases"])
+    # precompiled together before the timing: the timed calls compile nothing
+    assert row["precompile_xla_compiles"] >= 2
+    assert set(row["precompile_s"]) == {"decode", "verify2", "all"}
+    assert all(c["xla_compiles"] == 0 for c in row["cases"])

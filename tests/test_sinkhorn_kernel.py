@@ -104,13 +104,17 @@ def _h200_export(f, *args):
 
 
 def test_kernel_lowers_for_h200():
-    """A decode step's and a prefill chunk's shapes: one Triton call each, with the IEEE
-    division in its PTX."""
-    for T in (1, 4096):
+    """A decode step's and a prefill chunk's shapes: one Triton call each, the matrices in
+    their own layout (no transpose; a pad only where the rows do not fill the blocks)."""
+    assert [sinkhorn_triton.block_rows(T) for T in (1, 16, 17, 64, 128, 129, 4096)] == [
+        16, 16, 32, 64, 128, 128, 128]
+    for T, padded in ((1, True), (64, False), (130, True), (4096, False)):
         c = jnp.zeros((1, T, 4, 4), jnp.float32)
         ex = _h200_export(lambda c: sinkhorn_triton.sinkhorn_pairs(c, 19, EPS), c)
         text = ex.mlir_module()
         assert text.count("__gpu$xla.gpu.triton") == 1
+        assert "transpose" not in text
+        assert ("stablehlo.pad" in text) == padded, T
         assert [a.shape for a in ex.out_avals] == [(1, T, 4, 4)]
 
 

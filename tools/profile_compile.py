@@ -36,6 +36,7 @@ from benchmarks.config import e2e_config
 from benchmarks.timing import trace_events, xla_compiles
 from dsv41_jax import compile_cache, model, state as st
 from dsv41_jax.cli.args import Parser, positive_int
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.random_weights import random_params_device
 
 JITS = ("_chunk_jit", "_verify_jit")
@@ -202,7 +203,8 @@ def target_call(params, cfg, target: tuple, batch: int, context: int, headroom: 
 
 def build_parser() -> Parser:
     ap = Parser(prog="profile_compile", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="mid", help="mid | release-fit | tiny (default mid)")
+    ap.add_argument("--config", default="mid",
+                    help="mid | release-fit | tiny, or a model config JSON (default mid)")
     ap.add_argument("--tiny", action="store_true", help="the tiny config (CPU smoke test)")
     ap.add_argument("--targets", default="decode",
                     help="comma-separated: decode, prefill:ced|exact:N, verify:K (default decode)")
@@ -229,7 +231,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(f"argument --targets: {e}")
     name = "tiny" if args.tiny else args.config
-    cfg, _ = e2e_config(name)
+    cfg = (ModelConfig.from_json(name) if name.endswith(".json") else e2e_config(name)[0])
     if args.tiny:
         args.context = min(args.context, 48)
     if args.cache_dir:

@@ -1,11 +1,13 @@
 """Pallas Triton (NVIDIA GPU) kernel of :func:`pallas_kernels.sinkhorn.sinkhorn_pairs`.
 
-The ``hc x hc`` matrices are laid out as ``hc * hc`` planes ``[hc * hc, T]`` (one matrix per
-column), so each thread holds whole matrices of its lanes: a row or column sum is ``hc - 1``
-register adds in increasing index, with no cross-lane reduction and no layout change. One
-program handles ``BLOCK`` matrices through every pair (a ``fori_loop`` over the pairs, the
-planes as its carry). Divisions are ``div.rn.f32`` (Triton's own f32 division is the
-approximate ``div.full``); in interpret mode plain IEEE division.
+The matrices stay in their row-major layout ``[T, hc * hc]`` (no transpose around the call);
+each program loads a block of ``BLOCK`` matrices column by column (``hc * hc`` strided loads
+of ``[BLOCK]``), so each thread holds whole matrices of its lanes: a row or column sum is
+``hc - 1`` register adds in increasing index, with no cross-lane reduction. The pairs run as a
+``fori_loop`` over the ``hc * hc`` lane vectors. Divisions are ``div.rn.f32`` (Triton's own
+f32 division is the approximate ``div.full``); in interpret mode plain IEEE division. ``T``
+is padded to a multiple of the block (``BLOCK`` rounded down to the smallest power of two
+>= ``T`` for a small call: a decode step of batch 1 pads to 16 rows).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _div(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
 
 
 def _kernel(c_ref, o_ref, *, hc: int, pairs: int, eps: float, interpret: bool):
-    planes = tuple(c_ref[k, :] for k in range(hc * hc))
+    planes = tuple(c_ref[:, k] for k in range(hc * hc))
 
     def pair(_, p):
         p = list(p)
@@ -54,7 +56,7 @@ def _kernel(c_ref, o_ref, *, hc: int, pairs: int, eps: float, interpret: bool):
 
     out = jax.lax.fori_loop(0, pairs, pair, planes)
     for k in range(hc * hc):
-        o_ref[k, :] = out[k]
+        o_ref[:, k] = out[k]
 
 
 @functools.partial(jax.jit, static_argnames=("pairs", "eps", "interpret"))
@@ -64,16 +66,28 @@ def sinkhorn_pairs(c: jax.Array, pairs: int, eps: float, *, interpret: bool = Fa
     *batch, hc, _ = c.shape
     flat = c.reshape(-1, hc * hc)
     T = flat.shape[0]
-    Tp = -(-T // BLOCK) * BLOCK
-    planes = jnp.pad(flat, ((0, Tp - T), (0, 0)), constant_values=1.0).T   # [hc*hc, Tp]
+    block = block_rows(T)
+    Tp = -(-T // block) * block
+    if Tp != T:
+        flat = jnp.pad(flat, ((0, Tp - T), (0, 0)), constant_values=1.0)
     out = pl.pallas_call(
         functools.partial(_kernel, hc=hc, pairs=pairs, eps=float(eps), interpret=interpret),
-        grid=(Tp // BLOCK,),
-        in_specs=[pl.BlockSpec((hc * hc, BLOCK), lambda t: (0, t))],
-        out_specs=pl.BlockSpec((hc * hc, BLOCK), lambda t: (0, t)),
-        out_shape=jax.ShapeDtypeStruct((hc * hc, Tp), F32),
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        grid=(Tp // block,),
+        in_specs=[pl.BlockSpec((block, hc * hc), lambda t: (t, 0))],
+        out_specs=pl.BlockSpec((block, hc * hc), lambda t: (t, 0)),
+        out_shape=jax.ShapeDtypeStruct((Tp, hc * hc), F32),
+        compiler_params=pltr.CompilerParams(num_warps=max(1, min(4, block // 32)),
+                                            num_stages=1),
         interpret=interpret,
         name="sinkhorn_pairs",
-    )(planes)
-    return out.T[:T].reshape(*batch, hc, hc)
+    )(flat)
+    return (out if Tp == T else out[:T]).reshape(*batch, hc, hc)
+
+
+def block_rows(T: int) -> int:
+    """Matrices per program: :data:`BLOCK`, or for fewer the smallest power of two >= ``T``
+    (at least 16)."""
+    b = 16
+    while b < min(T, BLOCK):
+        b *= 2
+    return b
