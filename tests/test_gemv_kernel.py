@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.triton import gpu_info
 
 import dsv41_jax  # noqa: F401  (XLA numerics flag before JAX starts)
+from gpu_export_util import h200_export
 from pallas_kernels import gemv
 from pallas_kernels.gemv import triton as gemv_triton
 
@@ -75,18 +75,11 @@ def test_shape_rules_and_refusals():
     assert gemv_triton.config(512, 2048) == (512, 4)
 
 
-def _h200_export(f, *args):
-    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
-        return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=skip)(*args)
-
-
 def test_kernel_lowers_for_h200():
     """The grouped output projection's shapes at the mid config (8 groups, 15 layers)."""
     x = jnp.zeros((1, 8, 4096), jnp.bfloat16)
     w, s = jnp.zeros((15, 8192, 4096), jnp.float8_e4m3fn), jnp.zeros((15, 256, 128), jnp.uint8)
-    ex = _h200_export(lambda x, w, s, l: gemv_triton.fp8_gemv(x, w, s, l), x, w, s,
+    ex = h200_export(lambda x, w, s, l: gemv_triton.fp8_gemv(x, w, s, l), x, w, s,
                       jnp.int32(3))
     assert ex.mlir_module().count("__gpu$xla.gpu.triton") == 1
     assert [a.shape for a in ex.out_avals] == [(1, 8192)]
@@ -104,7 +97,7 @@ def test_decode_step_reads_stacked_weights_in_place_on_a_gpu():
     p = model.prepare_params(random_params_device(cfg, 0), cfg, linears="stored")
     state = st.init_state(cfg, 1, 64)
     with mock.patch.object(lin, "on_gpu", lambda: True):
-        ex = _h200_export(model.decode_fn(cfg, attn_impl="xla"), p, state,
+        ex = h200_export(model.decode_fn(cfg, attn_impl="xla"), p, state,
                           jnp.zeros((1,), jnp.int32))
     names = re.findall(r'name = "([a-z0-9_]+)"', ex.mlir_module())
     assert names and set(names) == {"fp8_stacked_gemv"}

@@ -223,24 +223,19 @@ def test_model_decode_lowers_with_kernel(kernel_cfg_params):
     grouped matmul kernel inside the scanned groups, reading the stacks in place (a batch
     whose pairs reach ``max(E, GATHERED_PAIRS)``: below it the gathered path runs, no
     kernel)."""
-    from jax._src.pallas.triton import gpu_info
     from dsv41_jax.layers import moe as moe_layer
+    from gpu_export_util import h200_export
     cfg, params = kernel_cfg_params
     kernel = model.prepare_params(params, cfg, experts="kernel")
     k = cfg.n_activated_experts
     big = -(-max(cfg.n_routed_experts, moe_layer.GATHERED_PAIRS) // k)
     small = (max(cfg.n_routed_experts, moe_layer.GATHERED_PAIRS) - 1) // k
-    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     counts = {}
     for batch in (1, small, big):
         s = st.init_state(cfg, batch, 32)
-        with mock.patch("pallas_kernels.impls.on_gpu", lambda backend=None: True), \
-                mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
-            skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-            text = jax.export.export(
-                jax.jit(model.decode_fn(cfg, attn_impl="xla", moe_impl="routed")),
-                platforms=["cuda"], disabled_checks=skip)(
-                    kernel, s, jnp.zeros((batch,), jnp.int32)).mlir_module()
+        with mock.patch("pallas_kernels.impls.on_gpu", lambda backend=None: True):
+            text = h200_export(model.decode_fn(cfg, attn_impl="xla", moe_impl="routed"),
+                               kernel, s, jnp.zeros((batch,), jnp.int32)).mlir_module()
         counts[batch] = text.count("fp4_grouped_matmul")
     assert counts[1] == 0 and counts[small] == 0 and counts[big] > 0
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 import re
 from unittest import mock
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.triton import gpu_info
 
 import dsv41_jax  # noqa: F401  (XLA numerics flag before JAX starts)
+from gpu_export_util import h200_export
 from dsv41_jax.layers import mhc
 from pallas_kernels import sinkhorn
 from pallas_kernels.sinkhorn import triton as sinkhorn_triton
@@ -96,13 +95,6 @@ def test_sinkhorn_split_uses_the_kernel_family():
     np.testing.assert_allclose(np.asarray(ker[2]), np.asarray(ref[2]), rtol=1e-5, atol=0)
 
 
-def _h200_export(f, *args):
-    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h200):
-        return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=skip)(*args)
-
-
 def test_kernel_lowers_for_h200():
     """A decode step's and a prefill chunk's shapes: one Triton call each, the matrices in
     their own layout (no transpose; a pad only where the rows do not fill the blocks)."""
@@ -110,7 +102,7 @@ def test_kernel_lowers_for_h200():
         16, 16, 32, 64, 128, 128, 128]
     for T, padded in ((1, True), (64, False), (130, True), (4096, False)):
         c = jnp.zeros((1, T, 4, 4), jnp.float32)
-        ex = _h200_export(lambda c: sinkhorn_triton.sinkhorn_pairs(c, 19, EPS), c)
+        ex = h200_export(lambda c: sinkhorn_triton.sinkhorn_pairs(c, 19, EPS), c)
         text = ex.mlir_module()
         assert text.count("__gpu$xla.gpu.triton") == 1
         assert "transpose" not in text
@@ -129,7 +121,7 @@ def test_decode_step_runs_the_kernel_on_a_gpu():
     p = model.prepare_params(random_params_device(cfg, 0), cfg)
     state = st.init_state(cfg, 1, 64)
     with mock.patch.object(impls, "on_gpu", lambda backend=None: True):
-        ex = _h200_export(model.decode_fn(cfg, attn_impl="xla"), p, state,
+        ex = h200_export(model.decode_fn(cfg, attn_impl="xla"), p, state,
                           jnp.zeros((1,), jnp.int32))
     names = re.findall(r'name = "([a-z0-9_]+)"', ex.mlir_module())
     assert "sinkhorn_pairs" in names

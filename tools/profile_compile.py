@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import gzip
-import json
 import os
 import re
 import tempfile
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.config import e2e_config
-from benchmarks.timing import trace_events, xla_compiles
+from benchmarks.timing import trace_events, write_json, xla_compiles
 from dsv41_jax import compile_cache, model, state as st
 from dsv41_jax.cli.args import Parser, positive_int
 from dsv41_jax.config import ModelConfig
@@ -258,9 +257,7 @@ def main(argv=None) -> int:
             print(f"    {p['exclusive_s']:8.2f} s own {p['inclusive_s']:8.2f} s incl "
                   f"x{p['count']:<5d} (longest {p['longest_s']:6.2f} s) {p['name'][:80]}")
         print("    largest computations: " + ", ".join(f"{n} {c}" for n, c in h["largest"][:6]))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
+        write_json(args.out, res)
     return 0
 
 
