@@ -869,7 +869,8 @@ def decode_step(params, cfg: ModelConfig, state, tokens, *, compat_stale_index_k
                     mesh=_check_mesh(cfg, mesh, B))
     params, state = _placed(params, cfg, state, mesh)
     pos = host_positions(state)
-    out, state = _chunk_jit(params, sharding.batch_sharded(tokens.astype(np.int32)[:, None], mesh),
+    out, state = _chunk_jit(params,
+                            sharding.batch_sharded(tokens.astype(np.int32)[:, None], mesh),
                             sharding.batch_sharded(np.ones((B,), np.int32), mesh), state, None,
                             None,
                             jnp.asarray(compat_stale_index_k), static=static,

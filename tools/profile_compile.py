@@ -58,8 +58,9 @@ def parse_target(text: str) -> tuple:
 
 
 def exclusive_times(events: list[dict]) -> dict[str, list[float]]:
-    """Per event name ``[exclusive us, inclusive us, count, longest us]`` over host events (complete events
-    not on a device stream), nesting resolved per thread by time containment."""
+    """Per event name ``[exclusive us, inclusive us, count, longest us]`` over host events
+    (complete events not on a device stream), nesting resolved per thread by time
+    containment."""
     by_thread = collections.defaultdict(list)
     for e in events:
         if "/device:" in e["process"] and e["thread"].startswith("Stream"):

@@ -201,10 +201,11 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
 
     When the tokens route to few (token, expert) pairs (:func:`gathered`: ``N * k <
     max(E, GATHERED_PAIRS)``, e.g. a decode step of a small batch or a verify), each token runs
-    only its ``k`` experts, their packed weights gathered; otherwise ``impl`` decides: ``"dense"`` runs the
-    routed experts densely over the stacked expert axis (a ``lax.scan`` in increasing expert
-    id, non-routed tokens carry weight 0 and contribute an exact 0), ``"routed"`` runs grouped
-    matmuls over the (token, expert) pairs only (:func:`_grouped_experts`). All reproduce the
+    only its ``k`` experts, their packed weights gathered; otherwise ``impl`` decides:
+    ``"dense"`` runs the routed experts densely over the stacked expert axis (a ``lax.scan``
+    in increasing expert id, non-routed tokens carry weight 0 and contribute an exact 0),
+    ``"routed"`` runs grouped matmuls over the (token, expert) pairs only
+    (:func:`_grouped_experts`). All reproduce the
     reference's fp32 accumulation order (increasing expert id, the shared expert last, one
     bf16 rounding); the gathered and dense paths bit for bit, the routed one up to the
     summation order inside each product. Experts in the grouped matmul's kernel form

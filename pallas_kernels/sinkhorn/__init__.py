@@ -2,8 +2,10 @@
 hyper-connections").
 
 ``sinkhorn_pairs(c [..., hc, hc] fp32, pairs, eps) -> [..., hc, hc]``: ``pairs`` times, every
-row divided by its sum plus ``eps``, then every column by its sum plus ``eps``. Sums run in
-increasing index, ``((c0 + c1) + c2) + c3``; every division is IEEE (round to nearest).
+row divided by its sum plus ``eps``, then every column by its sum plus ``eps``. In the kernel
+sums run in increasing index, ``((c0 + c1) + c2) + c3``, and every division is IEEE (round to
+nearest), the spec's formula in fp32; the reference runs as XLA compiles it (XLA may turn a
+division by a broadcast sum into a reciprocal and products: a few ulps after 19 pairs).
 
 Why a kernel: unrolled, the 19 pairs of each of a layer's two Sinkhorns are some 400 HLO
 instructions that XLA's GPU priority fusion merges one by one into a single kernel, and that
@@ -28,8 +30,9 @@ __all__ = ["sinkhorn_pairs"]
 
 def sinkhorn_pairs(c: Float[Array, "..."], pairs: int, eps: float, *,
                    impl: str = "auto", loop: bool = False) -> Float[Array, "..."]:
-    """See the module docstring: ``c`` fp32 ``[..., hc, hc]``, the result likewise. ``loop``: the ``"xla"`` path as a ``fori_loop`` (a CPU's
-    compile is shorter) instead of unrolled. Raises ``ValueError`` for an unknown ``impl``, a
+    """See the module docstring: ``c`` fp32 ``[..., hc, hc]``, the result likewise. ``loop``:
+    the ``"xla"`` path as a ``fori_loop`` (a CPU's compile is shorter) instead of unrolled.
+    Raises ``ValueError`` for an unknown ``impl``, a
     negative ``pairs``, a non-square or non-fp32 ``c``."""
     impl = impls.check_family(impl)
     if pairs < 0:
