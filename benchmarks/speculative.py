@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import statistics
 import sys
@@ -119,24 +120,27 @@ def run(args) -> dict:
         box = {"state": state}
         del state
 
-        def dec():
-            t = rng.integers(0, cfg.vocab_size, (B,)).astype(np.int32)
-            lg, box["state"] = model.decode_step(params, cfg, box["state"], t,
-                                                 attn_impl=args.attn_impl)
+        def step(kind, k, state, tokens):
+            """One ``decode_step`` (k = 0) or ``verify`` of k drafts: ``(logits, state)``."""
+            if kind == "decode":
+                return model.decode_step(params, cfg, state, tokens[:, 0],
+                                         attn_impl=args.attn_impl)
+            lg, _, state = model.verify(params, cfg, state, tokens, attn_impl=args.attn_impl)
+            return lg, state
+
+        def timed_call(kind, k):
+            t = rng.integers(0, cfg.vocab_size, (B, k + 1)).astype(np.int32)
+            lg, box["state"] = step(kind, k, box["state"], t)
             return lg
 
         cases = [("decode", 0)] + [("verify", k) for k in args.drafts]
         row = {"batch": B, **info, "cases": []}
         if args.precompile:
-            def first(kind, k, B=B):
-                s = jax.tree.map(jnp.copy, box["state"])
-                if kind == "decode":
-                    return model.decode_step(params, cfg, s, np.zeros((B,), np.int32),
-                                             attn_impl=args.attn_impl)[0]
-                return model.verify(params, cfg, s, np.zeros((B, k + 1), np.int32),
-                                    attn_impl=args.attn_impl)[0]
+            def compile_call(kind, k, B=B):
+                return step(kind, k, jax.tree.map(jnp.copy, box["state"]),
+                            np.zeros((B, k + 1), np.int32))[0]
             c0 = xla_compiles()
-            pre = precompile({f"{kind}{k or ''}": (lambda kind=kind, k=k: first(kind, k))
+            pre = precompile({f"{kind}{k or ''}": functools.partial(compile_call, kind, k)
                               for kind, k in cases})
             row["precompile_s"] = pre
             row["precompile_xla_compiles"] = xla_compiles() - c0
@@ -150,15 +154,7 @@ def run(args) -> dict:
                 continue
             t0 = time.perf_counter()
             c0 = xla_compiles()
-            if kind == "decode":
-                first, ms = _timed(dec, args.steps)
-            else:
-                def ver(k=k):
-                    t = rng.integers(0, cfg.vocab_size, (B, k + 1)).astype(np.int32)
-                    lg, _, box["state"] = model.verify(params, cfg, box["state"], t,
-                                                       attn_impl=args.attn_impl)
-                    return lg
-                first, ms = _timed(ver, args.steps)
+            first, ms = _timed(functools.partial(timed_call, kind, k), args.steps)
             case = {"kind": kind, "k": k, "ms": ms, "first_call_s": first,
                     "xla_compiles": xla_compiles() - c0}
             row["cases"].append(case)

@@ -190,18 +190,18 @@ def roofline(reps: int, copy_bytes: int = 1 << 30, matmul_n: int = 8192) -> dict
     """
     reps = max(reps, 10)
 
-    def best(fn, args_list):
+    def fastest(fn, args_list):
         return measure(fn, args_list, reps, warmup=3)["best_s"]
 
     xs = [jnp.full((copy_bytes // 2,), i, BF16) for i in range(COPIES)]
     nbytes = 2 * xs[0].size * 2
-    copies = {"xla_add": nbytes / best(lambda a: a + jnp.asarray(1, BF16),
+    copies = {"xla_add": nbytes / fastest(lambda a: a + jnp.asarray(1, BF16),
                                        [(x,) for x in xs]) / 1e9}
     if jax.default_backend() in ("gpu", "cuda"):
         x2 = [x.reshape(-1, 2048).view(jnp.int32).reshape(-1, 1024) for x in xs]
         for rows in (8, 32):
             try:
-                copies[f"pallas_copy_{rows}rows"] = nbytes / best(
+                copies[f"pallas_copy_{rows}rows"] = nbytes / fastest(
                     lambda a, rows=rows: pallas_copy(a, rows), [(x,) for x in x2]) / 1e9
             except Exception as e:  # noqa: BLE001 (the XLA number still stands)
                 print(f"  pallas copy {rows} rows: {type(e).__name__}: {str(e)[:200]}")
@@ -210,7 +210,7 @@ def roofline(reps: int, copy_bytes: int = 1 << 30, matmul_n: int = 8192) -> dict
     n = matmul_n
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), F32).astype(BF16)
     mats = [(a + jnp.asarray(i, BF16), a) for i in range(4)]
-    t = best(lambda p, q: jnp.dot(p, q, preferred_element_type=F32), mats)
+    t = fastest(lambda p, q: jnp.dot(p, q, preferred_element_type=F32), mats)
     return {"copy_GBps": max(copies.values()), "copy_GBps_by_method": copies,
             "bf16_matmul_TFLOPs": 2 * n ** 3 / t / 1e12}
 

@@ -7,8 +7,8 @@ tracing + StableHLO), compiles the lowered program (``.compile()``, timed, insid
 ``jax.profiler`` trace), then runs the call itself from JAX's cache. The record per target:
 ``lower_s``, ``compile_s``, the compiled program's size (HLO instructions, fusions, custom
 calls by target, from ``as_text()``), and the host events of the compile grouped by name
-with their exclusive time (a phase's own time, its nested phases subtracted) and inclusive
-time, longest first.
+with their exclusive time (a phase's own time, its nested phases subtracted), inclusive
+time, count and longest single event, the largest exclusive time first.
 
     python tools/profile_compile.py --config mid --targets decode,prefill:ced:4096 --out c.json
     XLA_FLAGS=--xla_gpu_autotune_level=0 python tools/profile_compile.py ...   # compare flags
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.config import e2e_config
-from benchmarks.timing import trace_events, write_json, xla_compiles
+from benchmarks.timing import device_stream, trace_events, write_json, xla_compiles
 from dsv41_jax import compile_cache, model, state as st
 from dsv41_jax.cli.args import Parser, positive_int
 from dsv41_jax.config import ModelConfig
@@ -63,13 +63,13 @@ def exclusive_times(events: list[dict]) -> dict[str, list[float]]:
     containment."""
     by_thread = collections.defaultdict(list)
     for e in events:
-        if "/device:" in e["process"] and e["thread"].startswith("Stream"):
+        if device_stream(e):
             continue
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
     out = collections.defaultdict(lambda: [0.0, 0.0, 0, 0.0])
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
-        stack: list[list] = []   # [end, name, child time]
+        stack: list[list] = []   # [end, name, time of its children, duration]
 
         def close(item):
             name, dur, child = item[1], item[3], item[2]
