@@ -74,10 +74,12 @@ def _lop3(a, b, c, lut: int):
     return out
 
 
-def run_ptx(asm: str, regs: dict) -> dict:
+def run_ptx(asm: str, regs: dict, rcp_ulps: int = 0) -> dict:
     """Run the instructions of ``asm`` (``$n`` operands renamed to keys of ``regs``) on the
-    uint32 values of ``regs``; returns ``regs`` with the results. Raises ``AssertionError``
-    for an instruction outside the emulated subset or an inexact bf16x2 product."""
+    uint32 values of ``regs``; returns ``regs`` with the results. ``rcp.approx`` (whose exact
+    bits are the hardware's, within 1 ulp) is emulated as the correctly rounded reciprocal
+    moved by ``rcp_ulps`` ulps. Raises ``AssertionError`` for an instruction outside the
+    emulated subset or an inexact bf16x2 product."""
     regs = {k: np.asarray(v, U32) for k, v in regs.items()}
 
     def val(tok):
@@ -103,6 +105,13 @@ def run_ptx(asm: str, regs: dict) -> dict:
             regs[dst] = f(i32(src[0]), i32(src[1])).view(U32)
         elif op == "mul.rn.f32":
             regs[dst] = _f32_bits(f32(val(src[0])) * f32(val(src[1])))
+        elif op == "neg.f32":
+            regs[dst] = np.asarray(val(src[0]), U32) ^ U32(0x80000000)
+        elif op == "rcp.approx.ftz.f32":
+            y = np.float32(1.0) / f32(val(src[0]))
+            for _ in range(abs(rcp_ulps)):
+                y = np.nextafter(y, np.float32(np.inf if rcp_ulps > 0 else -np.inf))
+            regs[dst] = _f32_bits(y)
         elif op == "fma.rn.f32":
             regs[dst] = _f32_bits(_fma_f32(f32(val(src[0])), f32(val(src[1])),
                                            f32(val(src[2]))))

@@ -63,14 +63,19 @@ def test_shape_rules_and_refusals():
     assert not gemv.kernel_fits((17, 1, 2048), (1, 512, 2048))        # too many rows
     assert not gemv.kernel_fits((1, 1, 2048), (1, 500, 2048))         # N not a multiple of 32
     assert not gemv.kernel_fits((1, 1, 1 << 16), (1 << 6, 1 << 10, 1 << 16))   # >= 2**31 B
+    for K in (32, 96, 160):             # a tile of one scale column would be needed
+        assert not gemv.kernel_fits((1, 1, K), (1, 64, K)), K
+    for K in (64, 128, 192):
+        assert gemv.kernel_fits((1, 1, K), (1, 64, K)), K
     x = jnp.zeros((17, 1, 64), jnp.bfloat16)
     w, s = jnp.zeros((1, 64, 64), jnp.float8_e4m3fn), jnp.zeros((1, 2, 2), jnp.uint8)
     with pytest.raises(ValueError, match="does not take"):
         gemv.fp8_gemv(x, w, s, jnp.int32(0), impl="gpu_interpret")
     with pytest.raises(ValueError, match="impl must be one of"):
         gemv.fp8_gemv(x, w, s, jnp.int32(0), impl="cuda")
-    with pytest.raises(ValueError, match="block_k=48"):
-        gemv_triton.config(64, 1024, block_k=48)
+    for bk in (48, 32, 96):
+        with pytest.raises(ValueError, match=f"block_k={bk} must be a power of two >= 64"):
+            gemv_triton.config(64, 1024, block_k=bk)
     assert gemv_triton.config(32768, 1280) == (256, 1)
     assert gemv_triton.config(512, 2048) == (512, 4)
 

@@ -13,8 +13,8 @@ doubles or triples its traffic. The kernel reads the stack where it lies.
 
 Implementations (``impl``, :mod:`pallas_kernels.impls`): ``"xla"`` (:mod:`.reference`),
 ``"gpu"`` (:mod:`.triton`), ``"gpu_interpret"``, ``"auto"`` (``"gpu"`` on an NVIDIA GPU where
-the shapes fit: at most 16 rows, ``N`` a multiple of 32 and of ``32 * G``, ``K`` of 32, the
-stack under 2**31 bytes; ``"xla"`` otherwise).
+the shapes fit: at most 16 rows, ``N`` a multiple of 32 and of ``32 * G``, ``K`` of 64
+(:data:`.triton.MIN_BLOCK_K`), the stack under 2**31 bytes; ``"xla"`` otherwise).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def kernel_fits(x_shape: tuple, w_shape: tuple) -> bool:
     M, G, K = x_shape
     L, N, Kw = w_shape
     return (M <= MAX_ROWS and K == Kw and N % (32 * G) == 0 and (N // G) % 32 == 0
-            and K % 32 == 0 and L * N * K < 2 ** 31)
+            and K % triton.MIN_BLOCK_K == 0 and L * N * K < 2 ** 31)
 
 
 def fp8_gemv(x: BFloat16[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],

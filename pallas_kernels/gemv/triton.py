@@ -30,6 +30,9 @@ BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 ROWS = 16          # input rows per call (tensor-core tile height)
 BLOCK_N = 32       # output rows per program: one row of 32 x 32 scale tiles
 TARGET_PROGRAMS = 1024
+#: Smallest ``block_k``: with 32 (a tile of one scale column) the kernel's build segfaults on
+#: an H200 (jax 0.11.2; seen compiling the demo model's decode step, dim 32); 64 and 128 run.
+MIN_BLOCK_K = 64
 
 
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, interpret):
@@ -60,12 +63,15 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = None):
-    """``(block_k, k_splits)``: the largest power of two <= 512 dividing K, and enough splits
-    of K for about :data:`TARGET_PROGRAMS` programs (a power of two dividing K / block_k)."""
+    """``(block_k, k_splits)``: the largest power of two <= 512 dividing K (at least
+    :data:`MIN_BLOCK_K`), and enough splits of K for about :data:`TARGET_PROGRAMS` programs (a
+    power of two dividing K / block_k). Raises ``ValueError`` for a ``block_k`` or
+    ``k_splits`` that does not fit ``K``."""
     if block_k is None:
         block_k = _pow2_divisor(K, 512)
-    if block_k < 32 or K % block_k:
-        raise ValueError(f"block_k={block_k} must be a power of two >= 32 dividing K={K}")
+    if block_k < MIN_BLOCK_K or K % block_k or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power of two >= {MIN_BLOCK_K} dividing "
+                         f"K={K}")
     n_kb = K // block_k
     if k_splits is None:
         k_splits = _pow2_divisor(n_kb, max(1, TARGET_PROGRAMS // max(1, N // BLOCK_N)))

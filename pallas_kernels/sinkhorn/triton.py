@@ -1,13 +1,21 @@
 """Pallas Triton (NVIDIA GPU) kernel of :func:`pallas_kernels.sinkhorn.sinkhorn_pairs`.
 
-The matrices stay in their row-major layout ``[T, hc * hc]`` (no transpose around the call);
-each program loads a block of ``BLOCK`` matrices column by column (``hc * hc`` strided loads
-of ``[BLOCK]``), so each thread holds whole matrices of its lanes: a row or column sum is
-``hc - 1`` register adds in increasing index, with no cross-lane reduction. The pairs run as a
-``fori_loop`` over the ``hc * hc`` lane vectors. Divisions are ``div.rn.f32`` (Triton's own
-f32 division is the approximate ``div.full``); in interpret mode plain IEEE division. ``T``
-is padded to a multiple of the block (``BLOCK`` rounded down to the smallest power of two
->= ``T`` for a small call: a decode step of batch 1 pads to 16 rows).
+The matrices stay in their row-major layout ``[T, hc * hc]`` (no transpose, no pad around the
+call): each program loads a block of ``BLOCK`` matrices column by column (``hc * hc`` strided,
+masked loads of ``[BLOCK]``; rows past ``T`` read 1.0 and are not stored), so each thread holds
+whole matrices of its lanes: a row or column sum is ``hc - 1`` register adds in increasing
+index, with no cross-lane reduction. The pairs run as a ``fori_loop`` over the ``hc * hc`` lane
+vectors.
+
+Division. PTX ``div.rn.f32`` is IEEE, but ptxas emits it as a fast path plus a branch to a
+slow-path subroutine, and the branches keep the 32 divisions of a pair from overlapping (a
+decode step's call took 20 us). The kernel instead runs the fast path straight: per sum ``s``
+a reciprocal ``y`` (``rcp.approx`` refined by one Newton step, :data:`RECIP_PTX`), then per
+entry ``q = a * y``, ``r = fma(-s, q, a)`` (exact), ``q + r * y`` rounded once
+(:data:`DIV_PTX`). For a normal ``s`` and a quotient in the normal range this is the correctly
+rounded ``a / s`` (Markstein's correction step; the slow path only serves subnormal, huge or
+special operands). mHC's matrices are a softmax plus ``eps`` (entries >= ``eps`` / (``hc`` +
+``eps``)) so every operand is in that range. In interpret mode: plain IEEE division.
 """
 
 from __future__ import annotations
@@ -16,25 +24,53 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 F32 = jnp.float32
 BLOCK = 128        # matrices per program
 
+#: ``$0 = 1 / $1`` to within the rounding of one Newton step from ``rcp.approx``.
+RECIP_PTX = """{
+.reg .f32 y, e, nb;
+rcp.approx.ftz.f32 y, $1;
+neg.f32 nb, $1;
+fma.rn.f32 e, nb, y, 0f3F800000;
+fma.rn.f32 $0, y, e, y;
+}"""
 
-def _div(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
-    """IEEE ``a / b`` (fp32, round to nearest) on the GPU as in interpret mode."""
-    if interpret:
-        return a / b
+#: ``$0 = $1 / $2`` rounded to nearest, given ``$3`` = :data:`RECIP_PTX` of ``$2``.
+DIV_PTX = """{
+.reg .f32 q, r, nb;
+mul.rn.f32 q, $1, $3;
+neg.f32 nb, $2;
+fma.rn.f32 r, nb, q, $1;
+fma.rn.f32 $0, r, $3, q;
+}"""
+
+
+def _asm(template: str, *args: jax.Array) -> jax.Array:
     [out] = pltr.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, F32)])
+        template, args=list(args), constraints="=f" + ",f" * len(args), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, F32)])
     return out
 
 
-def _kernel(c_ref, o_ref, *, hc: int, pairs: int, eps: float, interpret: bool):
-    planes = tuple(c_ref[:, k] for k in range(hc * hc))
+def _divide(vals: list, s: jax.Array, interpret: bool) -> list:
+    """Each of ``vals`` divided by ``s`` (IEEE, round to nearest; see the module docstring)."""
+    if interpret:
+        return [v / s for v in vals]
+    y = _asm(RECIP_PTX, s)
+    return [_asm(DIV_PTX, v, s, y) for v in vals]
+
+
+def _kernel(c_ref, o_ref, *, hc: int, pairs: int, eps: float, rows: int, block: int,
+            interpret: bool):
+    r = pl.program_id(0) * block + jnp.arange(block)
+    mask = r < rows
+    planes = tuple(pltr.load(c_ref.at[:, np.int32(k)], mask=mask, other=1.0)
+                   for k in range(hc * hc))
 
     def pair(_, p):
         p = list(p)
@@ -42,21 +78,17 @@ def _kernel(c_ref, o_ref, *, hc: int, pairs: int, eps: float, interpret: bool):
             s = p[i * hc]
             for j in range(1, hc):
                 s = s + p[i * hc + j]
-            s = s + eps
-            for j in range(hc):
-                p[i * hc + j] = _div(p[i * hc + j], s, interpret)
+            p[i * hc:(i + 1) * hc] = _divide(p[i * hc:(i + 1) * hc], s + eps, interpret)
         for j in range(hc):                                   # columns
             s = p[j]
             for i in range(1, hc):
                 s = s + p[i * hc + j]
-            s = s + eps
-            for i in range(hc):
-                p[i * hc + j] = _div(p[i * hc + j], s, interpret)
+            p[j::hc] = _divide(p[j::hc], s + eps, interpret)
         return tuple(p)
 
     out = jax.lax.fori_loop(0, pairs, pair, planes)
     for k in range(hc * hc):
-        o_ref[:, k] = out[k]
+        pltr.store(o_ref.at[:, np.int32(k)], out[k], mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("pairs", "eps", "interpret"))
@@ -67,21 +99,19 @@ def sinkhorn_pairs(c: jax.Array, pairs: int, eps: float, *, interpret: bool = Fa
     flat = c.reshape(-1, hc * hc)
     T = flat.shape[0]
     block = block_rows(T)
-    Tp = -(-T // block) * block
-    if Tp != T:
-        flat = jnp.pad(flat, ((0, Tp - T), (0, 0)), constant_values=1.0)
     out = pl.pallas_call(
-        functools.partial(_kernel, hc=hc, pairs=pairs, eps=float(eps), interpret=interpret),
-        grid=(Tp // block,),
+        functools.partial(_kernel, hc=hc, pairs=pairs, eps=float(eps), rows=T, block=block,
+                          interpret=interpret),
+        grid=(pl.cdiv(T, block),),
         in_specs=[pl.BlockSpec((block, hc * hc), lambda t: (t, 0))],
         out_specs=pl.BlockSpec((block, hc * hc), lambda t: (t, 0)),
-        out_shape=jax.ShapeDtypeStruct((Tp, hc * hc), F32),
+        out_shape=jax.ShapeDtypeStruct((T, hc * hc), F32),
         compiler_params=pltr.CompilerParams(num_warps=max(1, min(4, block // 32)),
                                             num_stages=1),
         interpret=interpret,
         name="sinkhorn_pairs",
     )(flat)
-    return (out if Tp == T else out[:T]).reshape(*batch, hc, hc)
+    return out.reshape(*batch, hc, hc)
 
 
 def block_rows(T: int) -> int:
