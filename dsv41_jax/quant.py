@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, ArrayLike, Float, UInt8
+from jaxtyping import Array, Float, UInt8
 
 # the FP4 quantiser primitives live beside the FP4 codec kernels, their reference
 from pallas_kernels.fp4.reference import (_E2M1_BOUNDS, BF16, E2M1_LUT, E2M1_VALUES,  # noqa: F401
@@ -26,39 +25,8 @@ from pallas_kernels.fp4.reference import (_E2M1_BOUNDS, BF16, E2M1_LUT, E2M1_VAL
                                           e8m0_to_f32, fp4_dequantize, fp4_quantize,
                                           fp4_scale_to_f32, pack_nibbles, unpack_nibbles)
 from pallas_kernels.fp4.common import exp2_int
-
-
-# ----------------------------------------------------------------------------- FP8
-
-
-def fp8_quantize(x: Float[ArrayLike, "... K"], block: int = 32) -> tuple[jax.Array, jax.Array]:
-    """``act_quant``: e4m3 codes and E8M0 scale bytes, one scale per ``block`` values.
-
-    Returns ``(codes float8_e4m3fn [..., K], scale uint8 [..., K // block])``. See
-    docs/architecture.md, "Number formats".
-    """
-    xb = _blocks(jnp.asarray(x, F32), block)
-    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
-    e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
-    s = exp2_int(e)
-    q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(E4M3)
-    return q.reshape(x.shape), (e[..., 0] + 127).astype(jnp.uint8)
-
-
-def fp8_dequantize(codes: jax.Array, scale: UInt8[Array, "... G"], block: int = 32,
-                   dtype=BF16) -> jax.Array:
-    """Inverse of :func:`fp8_quantize` (exact): ``e4m3(codes) * 2**(scale - 127)``."""
-    qb = _blocks(codes.astype(F32), block)
-    return (qb * e8m0_to_f32(scale)[..., None]).reshape(codes.shape).astype(dtype)
-
-
-def act_quant_qdq(x: Float[Array, "... K"], block: int = 32) -> Float[Array, "... K"]:
-    """FP8 QDQ of an activation (per-``block`` power-of-two scales); returns bf16.
-
-    See docs/architecture.md, "Number formats".
-    """
-    q, s = fp8_quantize(x, block)
-    return fp8_dequantize(q, s, block, BF16)
+# the FP8 activation quantiser too (the FP8 GEMV kernel applies it in its tiles)
+from pallas_kernels.fp4.reference import act_quant_qdq, fp8_dequantize, fp8_quantize  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- FP4

@@ -9,11 +9,13 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 import dsv41_jax  # noqa: F401  (XLA numerics flag before JAX starts)
 from gpu_export_util import h200_export
+import ptx_emu
 from pallas_kernels import gemv
 from pallas_kernels.gemv import triton as gemv_triton
 
@@ -45,6 +47,60 @@ def test_interpret_matches_reference(M, G, K, N, L, tune):
     assert not np.allclose(np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(0), impl="xla")),
                            np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(L - 1),
                                                     impl="gpu_interpret", **tune))) or L == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_act_quant_in_the_kernel(dtype):
+    """``act_quant=True``: the interpret-mode kernel equals the FP8 QDQ of the input followed
+    by the GEMV (the reference's order), to summation order, for bf16 and fp32 inputs with
+    blocks of every magnitude (tiny, zero, large, saturating), and the QDQ changes the result."""
+    from dsv41_jax import quant
+    rng = np.random.default_rng(3)
+    M, G, K, N, L = 5, 1, 256, 64, 2
+    w, s = _stack(rng, L, N, K)
+    mag = 2.0 ** rng.integers(-30, 20, (M, G, K // 32, 1))
+    x = rng.normal(0, 1, (M, G, K // 32, 32)) * mag
+    x[0, 0, 1] = 0.0                                   # a zero block (the amax floor)
+    x[1, 0, 2, :3] = [1e30, -3e29, 5.0]                # a block led by a huge value
+    x = jnp.asarray(x.reshape(M, G, K), dtype)
+    want = np.asarray(gemv.fp8_gemv(quant.act_quant_qdq(x, 32), w, s, jnp.int32(1), impl="xla"))
+    for impl in ("xla", "gpu_interpret"):
+        got = np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(1), act_quant=True, impl=impl))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=impl)
+    plain = np.asarray(gemv.fp8_gemv(x.astype(jnp.bfloat16), w, s, jnp.int32(1), impl="xla"))
+    assert not np.allclose(plain, want, rtol=1e-3, atol=0)
+
+
+def test_qdq_template_is_the_reference_convert():
+    """:data:`triton.QDQ_PTX` (the hardware's RNE satfinite e4m3 convert and back) on the PTX
+    emulator equals ``clip(y, +-448).astype(e4m3)`` for every bf16 value and for fp32 values
+    between e4m3 neighbours (ties included), NaN aside."""
+    bits = np.arange(0, 1 << 16, dtype=np.uint32) << 16            # every bf16 pattern
+    y = bits.view(np.float32)
+    rng = np.random.default_rng(0)
+    extra = np.concatenate([rng.uniform(-500, 500, 20000), rng.uniform(-2.0 ** -6, 2.0 ** -6,
+                                                                      5000)]).astype(np.float32)
+    y = np.concatenate([y[~np.isnan(y)], extra]).astype(np.float32)
+    asm = gemv_triton.QDQ_PTX.replace("$0", "out").replace("$1", "y")
+    got = ptx_emu.run_ptx(asm, {"y": y.view(np.uint32)})["out"].view(np.float32)
+    want = np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_act_quant_kernel_lowers_for_h200():
+    """Built for an H200, the act-quant GEMV is one Triton call and no reduction of its own
+    (only the split-K partial sums, when there are several)."""
+    rng = np.random.default_rng(0)
+    w, s = _stack(rng, 2, 1024, 2048)
+    x = jnp.zeros((1, 1, 2048), jnp.bfloat16)
+    for ks in (1, 4):
+        ex = h200_export(lambda x, w, s, l: gemv_triton.fp8_gemv(x, w, s, l, act_quant=True,
+                                                                 k_splits=ks),
+                         x, w, s, jnp.int32(1))
+        text = ex.mlir_module()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        assert text.count("stablehlo.reduce") == (ks > 1), ks
 
 
 def test_reference_is_the_dequantised_product():

@@ -17,7 +17,8 @@ and dequantised on use (docs/architecture.md, "Quantised linears"):
   its stored format (``prepare_params(..., linears="stored")``, the GPU default). Inside a
   scanned layer group an FP8 one comes whole with its layer's index in the stack (``"at"``);
   on a GPU a call of at most 16 rows reads that layer's tiles in place with the FP8 stacked
-  GEMV kernel (:mod:`pallas_kernels.gemv`), where a GEMM would read a sliced copy. Otherwise a
+  GEMV kernel (:mod:`pallas_kernels.gemv`), where a GEMM would read a sliced copy; the kernel
+  also applies the input's FP8 act-quant in its tiles (no kernels of its own). Otherwise a
   call of at most :data:`SMALL_ROWS` rows is one fused dequantise-multiply-reduce on the
   stored bytes, and a larger one dequantises and runs the GEMM. The products are exact in
   fp32, so only the summation order differs from the other forms.
@@ -90,10 +91,10 @@ def _in_stack(p: dict) -> dict:
             "scale": jax.lax.dynamic_index_in_dim(s, p["at"], 0, keepdims=False)}
 
 
-def _stack_gemv(x: jax.Array, p: dict) -> jax.Array | None:
+def _stack_gemv(x: jax.Array, p: dict, act_quant: bool = False) -> jax.Array | None:
     """fp32 ``x [..., G, K] @ W[at].T`` by the GPU kernel that reads the weight in place in its
-    stack (:func:`pallas_kernels.gemv.fp8_gemv`), or None where it does not apply (no stack,
-    not a GPU, shapes it does not take)."""
+    stack (:func:`pallas_kernels.gemv.fp8_gemv`; ``act_quant``: the FP8 QDQ of ``x`` inside
+    it), or None where it does not apply (no stack, not a GPU, shapes it does not take)."""
     if "at" not in p or not on_gpu():
         return None
     w, s = p["fp8"], p["scale"]
@@ -101,7 +102,7 @@ def _stack_gemv(x: jax.Array, p: dict) -> jax.Array | None:
     x3 = x.reshape(-1, *x.shape[-2:])
     if not gemv.kernel_fits(x3.shape, w.shape):
         return None
-    y = gemv.fp8_gemv(x3, w, s, p["at"], impl="gpu")
+    y = gemv.fp8_gemv(x3, w, s, p["at"], act_quant=act_quant, impl="gpu")
     return y.reshape(*x.shape[:-2], -1)
 
 
@@ -129,11 +130,11 @@ def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
     if w is not None and w.dtype == F32:
         return jnp.einsum("...i,oi->...o", x.astype(F32), w, precision=HIGHEST,
                           preferred_element_type=F32)
-    if is_quantized(p):
-        x = quant.act_quant_qdq(x, 32)
-    y = _stack_gemv(x[..., None, :], p)
+    y = _stack_gemv(x[..., None, :], p, act_quant=is_quantized(p))
     if y is not None:
         return y.astype(BF16)
+    if is_quantized(p):
+        x = quant.act_quant_qdq(x, 32)
     p = _in_stack(p)
     if ("fp8" in p or "fp4" in p) and _rows(x) <= SMALL_ROWS:
         return _small_rows_matmul(x, p).astype(BF16)

@@ -137,3 +137,36 @@ def unpack_nibbles(packed: UInt8[Array, "... K2"]) -> UInt8[Array, "... K"]:
     lo = packed & 0x0F
     hi = packed >> 4
     return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------- FP8 activations
+
+
+def fp8_quantize(x: Float[ArrayLike, "... K"], block: int = 32) -> tuple[jax.Array, jax.Array]:
+    """``act_quant``: e4m3 codes and E8M0 scale bytes, one scale per ``block`` values.
+
+    Returns ``(codes float8_e4m3fn [..., K], scale uint8 [..., K // block])``. See
+    docs/architecture.md, "Number formats" (FP8 activations).
+    """
+    xb = _blocks(jnp.asarray(x, F32), block)
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
+    e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
+    s = exp2_int(e)
+    q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(E4M3)
+    return q.reshape(x.shape), (e[..., 0] + 127).astype(jnp.uint8)
+
+
+def fp8_dequantize(codes: jax.Array, scale: UInt8[Array, "... G"], block: int = 32,
+                   dtype=BF16) -> jax.Array:
+    """Inverse of :func:`fp8_quantize` (exact): ``e4m3(codes) * 2**(scale - 127)``."""
+    qb = _blocks(codes.astype(F32), block)
+    return (qb * e8m0_to_f32(scale)[..., None]).reshape(codes.shape).astype(dtype)
+
+
+def act_quant_qdq(x: Float[Array, "... K"], block: int = 32) -> Float[Array, "... K"]:
+    """FP8 QDQ of an activation (per-``block`` power-of-two scales); returns bf16.
+
+    See docs/architecture.md, "Number formats" (FP8 activations).
+    """
+    q, s = fp8_quantize(x, block)
+    return fp8_dequantize(q, s, block, BF16)

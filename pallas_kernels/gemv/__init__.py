@@ -20,7 +20,7 @@ the shapes fit: at most 16 rows, ``N`` a multiple of 32 and of ``32 * G``, ``K``
 from __future__ import annotations
 
 import jax
-from jaxtyping import Array, BFloat16, Float, Int, UInt8
+from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels import impls
 from pallas_kernels.gemv import reference, triton
@@ -38,16 +38,20 @@ def kernel_fits(x_shape: tuple, w_shape: tuple) -> bool:
             and K % triton.MIN_BLOCK_K == 0 and L * N * K < 2 ** 31)
 
 
-def fp8_gemv(x: BFloat16[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
-             layer: Int[Array, ""], *, impl: str = "auto", **tuning) -> Float[Array, "M N"]:
-    """See the module docstring. ``tuning``: ``block_k``, ``k_splits``, ``num_warps``,
+def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
+             layer: Int[Array, ""], *, act_quant: bool = False, impl: str = "auto",
+             **tuning) -> Float[Array, "M N"]:
+    """See the module docstring. ``act_quant``: FP8 QDQ of ``x`` per 32 inputs first (a
+    quantised linear's activation quantisation; the kernel applies it to its tiles, so no
+    separate kernels compute it). ``tuning``: ``block_k``, ``k_splits``, ``num_warps``,
     ``num_stages`` of the GPU kernel. Raises ``ValueError`` for an unknown ``impl`` or, with
     ``impl="gpu"``, shapes the kernel does not take."""
     impl = impls.check_family(impl)
     if impl == "auto":
         impl = "gpu" if impls.on_gpu() and kernel_fits(x.shape, w.shape) else "xla"
     if impl in ("xla", "tpu", "tpu_interpret"):
-        return reference.fp8_gemv(x, w, scale, layer)
+        return reference.fp8_gemv(x, w, scale, layer, act_quant)
     if not kernel_fits(x.shape, w.shape):
         raise ValueError(f"fp8_gemv: the GPU kernel does not take x {x.shape} with w {w.shape}")
-    return triton.fp8_gemv(x, w, scale, layer, interpret=impls.interpret(impl), **tuning)
+    return triton.fp8_gemv(x, w, scale, layer, act_quant=act_quant,
+                           interpret=impls.interpret(impl), **tuning)

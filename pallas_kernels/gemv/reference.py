@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, BFloat16, Float, Int, UInt8
+from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels.fp4.common import exp2_int
+from pallas_kernels.fp4.reference import act_quant_qdq
 
 F32 = jnp.float32
 
@@ -22,11 +23,15 @@ def dequant_layer(w: jax.Array, scale: UInt8[Array, "L Go Gi"], layer) -> Float[
     return wl * sl
 
 
-def fp8_gemv(x: BFloat16[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
-             layer: Int[Array, ""]) -> Float[Array, "M N"]:
+def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
+             layer: Int[Array, ""], act_quant: bool = False) -> Float[Array, "M N"]:
     """``y[m, n] = sum_k x[m, g(n), k] * W[layer][n, k]`` in fp32, where row ``n`` belongs to
     group ``g(n) = n // (N / G)`` (``G = 1``: a plain linear; ``G > 1``: the block-diagonal
-    grouped projection)."""
+    grouped projection). ``act_quant``: ``x`` is first FP8-quantised and dequantised per 32
+    inputs (:func:`pallas_kernels.fp4.reference.act_quant_qdq`, bf16), as a quantised linear's
+    input is."""
+    if act_quant:
+        x = act_quant_qdq(x, 32)
     wl = dequant_layer(w, scale, layer)
     M, G, K = x.shape
     wg = wl.reshape(G, -1, K)

@@ -11,6 +11,13 @@ One program handles one block of 32 output rows (one row of E8M0 scale tiles) ov
   or bf16), so the large tile is touched once;
 * accumulate ``x [16, block_k] @ W^T`` in fp32 on the tensor cores (the rows padded to 16).
 
+With ``act_quant`` the input tile is FP8-quantised and dequantised in registers first, per 32
+inputs as :func:`pallas_kernels.fp4.reference.act_quant_qdq` does (the amax's power-of-two
+E8M0 scale from its exponent bits, a product by its exact inverse, the hardware's
+round-to-nearest satfinite e4m3 convert, :data:`QDQ_PTX`, and back): a quantised linear's
+activation quantisation then launches no kernels of its own. Each program quantises the
+tiles it reads; the input is a few rows, so that work is small beside the weight's bytes.
+
 Partial sums ``[k_splits, 16, N]`` (fp32) are added by the wrapper. The input's group of a
 row block (``G > 1``, the grouped output projection) is ``row // (N / G)``.
 """
@@ -21,9 +28,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.fp4.common import exp2_int
+from pallas_kernels.fp4.reference import FP8_MAX, _pow2_ceil_exponent
 from pallas_kernels.sparse_attention.triton import repeat_columns
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -34,8 +44,36 @@ TARGET_PROGRAMS = 1024
 #: an H200 (jax 0.11.2; seen compiling the demo model's decode step, dim 32); 64 and 128 run.
 MIN_BLOCK_K = 64
 
+#: ``$0`` = the e4m3 value nearest the fp32 ``$1`` (ties to even, saturating at +-448), as fp32.
+QDQ_PTX = """{
+.reg .b32 h;
+.reg .b16 c, lo;
+cvt.rn.satfinite.e4m3x2.f32 c, $1, $1;
+cvt.rn.f16x2.e4m3x2 h, c;
+cvt.u16.u32 lo, h;
+cvt.f32.f16 $0, lo;
+}"""
 
-def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, interpret):
+
+def _act_qdq(x: jax.Array, interpret: bool) -> jax.Array:
+    """FP8 QDQ per 32 columns of an fp32 tile ``[R, C]`` (``C`` a multiple of 32), fp32 out,
+    bit for bit :func:`pallas_kernels.fp4.reference.act_quant_qdq`."""
+    R, C = x.shape
+    xb = x.reshape(R, C // 32, 32)
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), 1e-4)
+    e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
+    y = xb * exp2_int(-e)[..., None]              # x / 2**e, exact
+    if interpret:
+        q = jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(F32)
+    else:
+        [q] = pltr.elementwise_inline_asm(
+            QDQ_PTX, args=[y], constraints="=f,f", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, F32)])
+    return (q * exp2_int(e)[..., None]).reshape(R, C)
+
+
+def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, act_quant,
+            interpret):
     nb, ks = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     g = (nb * BLOCK_N) // group_rows
@@ -46,6 +84,8 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, 
         s = s_ref[layer, pl.ds(nb, 1), pl.ds(k0 // 32, block_k // 32)].astype(I32)
         sf = jax.lax.bitcast_convert_type(s << 23, F32)          # E8M0 -> 2**(u - 127)
         x = x_ref[:, g, pl.ds(k0, block_k)].astype(F32)
+        if act_quant:
+            x = _act_qdq(x, interpret)          # exact in bf16
         xs = (x * repeat_columns(sf, 32)).astype(BF16)
         wb = w.astype(F32 if interpret else BF16)
         xs = xs.astype(F32) if interpret else xs
@@ -80,18 +120,20 @@ def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = No
     return block_k, k_splits
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "k_splits", "num_warps", "num_stages",
-                                             "interpret"))
-def fp8_gemv(x, w, scale, layer, *, block_k=None, k_splits=None, num_warps=4, num_stages=3,
-             interpret=False):
-    """See :func:`pallas_kernels.gemv.fp8_gemv`; ``x`` bf16 [M <= 16, G, K]."""
+@functools.partial(jax.jit, static_argnames=("act_quant", "block_k", "k_splits", "num_warps",
+                                             "num_stages", "interpret"))
+def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None, num_warps=4,
+             num_stages=3, interpret=False):
+    """See :func:`pallas_kernels.gemv.fp8_gemv`; ``x`` [M <= 16, G, K] (bf16, or with
+    ``act_quant`` any float dtype, quantised from its own values)."""
     M, G, K = x.shape
     L, N, _ = w.shape
     block_k, k_splits = config(N, K, block_k, k_splits)
     n_k = K // block_k // k_splits
-    xp = jnp.zeros((ROWS, G, K), BF16).at[:M].set(x.astype(BF16))
+    dtype = x.dtype if act_quant else BF16
+    xp = jnp.zeros((ROWS, G, K), dtype).at[:M].set(x.astype(dtype))
     kernel = functools.partial(_kernel, block_k=block_k, n_k=n_k, group_rows=N // G,
-                               interpret=interpret)
+                               act_quant=act_quant, interpret=interpret)
     part = pl.pallas_call(
         kernel, grid=(N // BLOCK_N, k_splits),
         in_specs=[pl.BlockSpec() for _ in range(4)],
@@ -100,4 +142,4 @@ def fp8_gemv(x, w, scale, layer, *, block_k=None, k_splits=None, num_warps=4, nu
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_stacked_gemv",
     )(jnp.reshape(layer, (1,)).astype(I32), xp, w, scale)
-    return jnp.sum(part, axis=0)[:M]
+    return (part[0] if k_splits == 1 else jnp.sum(part, axis=0))[:M]
