@@ -9,7 +9,8 @@ One program handles one block of 32 output rows (one row of E8M0 scale tiles) ov
 * scale the input instead of the weight: the ``block_k / 32`` scales of this row block
   multiply the input's columns (powers of two: exact in bf16, the input being FP8 QDQ values
   or bf16), so the large tile is touched once;
-* accumulate ``x [16, block_k] @ W^T`` in fp32 on the tensor cores (the rows padded to 16).
+* accumulate ``x [16, block_k] @ W^T`` in fp32 on the tensor cores (rows past the input's
+  masked to zero in the load: nothing is padded before the call).
 
 With ``act_quant`` the input tile is FP8-quantised and dequantised in registers first, per 32
 inputs as :func:`pallas_kernels.fp4.reference.act_quant_qdq` does (the amax's power-of-two
@@ -72,7 +73,7 @@ def _act_qdq(x: jax.Array, interpret: bool) -> jax.Array:
     return (q * exp2_int(e)[..., None]).reshape(R, C)
 
 
-def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, act_quant,
+def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, rows, act_quant,
             interpret):
     nb, ks = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
@@ -83,7 +84,12 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, 
         w = w_ref[layer, pl.ds(nb * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)]
         s = s_ref[layer, pl.ds(nb, 1), pl.ds(k0 // 32, block_k // 32)].astype(I32)
         sf = jax.lax.bitcast_convert_type(s << 23, F32)          # E8M0 -> 2**(u - 127)
-        x = x_ref[:, g, pl.ds(k0, block_k)].astype(F32)
+        if rows < ROWS:     # the block's rows past the input's are masked (read as zero)
+            mask = jnp.broadcast_to((jnp.arange(ROWS) < rows)[:, None], (ROWS, block_k))
+            x = pltr.load(x_ref.at[:, g, pl.ds(k0, block_k)], mask=mask, other=0.0)
+        else:
+            x = x_ref[:, g, pl.ds(k0, block_k)]
+        x = x.astype(F32)
         if act_quant:
             x = _act_qdq(x, interpret)          # exact in bf16
         xs = (x * repeat_columns(sf, 32)).astype(BF16)
@@ -130,16 +136,16 @@ def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None
     L, N, _ = w.shape
     block_k, k_splits = config(N, K, block_k, k_splits)
     n_k = K // block_k // k_splits
-    dtype = x.dtype if act_quant else BF16
-    xp = jnp.zeros((ROWS, G, K), dtype).at[:M].set(x.astype(dtype))
-    kernel = functools.partial(_kernel, block_k=block_k, n_k=n_k, group_rows=N // G,
+    x = x if act_quant else x.astype(BF16)
+    kernel = functools.partial(_kernel, block_k=block_k, n_k=n_k, group_rows=N // G, rows=M,
                                act_quant=act_quant, interpret=interpret)
     part = pl.pallas_call(
         kernel, grid=(N // BLOCK_N, k_splits),
-        in_specs=[pl.BlockSpec() for _ in range(4)],
+        in_specs=[pl.BlockSpec(), pl.BlockSpec((ROWS, G, K), lambda nb, ks: (0, 0, 0)),
+                  pl.BlockSpec(), pl.BlockSpec()],
         out_specs=pl.BlockSpec((None, ROWS, BLOCK_N), lambda nb, ks: (ks, 0, nb)),
         out_shape=jax.ShapeDtypeStruct((k_splits, ROWS, N), F32),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_stacked_gemv",
-    )(jnp.reshape(layer, (1,)).astype(I32), xp, w, scale)
+    )(jnp.reshape(layer, (1,)).astype(I32), x, w, scale)
     return (part[0] if k_splits == 1 else jnp.sum(part, axis=0))[:M]
