@@ -44,11 +44,11 @@ from dsv41_jax.layers import dspark
 from dsv41_jax.layers import engram as engram_layer
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.attention import Bus, Chunk, attention, kv_source_update
-from dsv41_jax.layers.linear import dequant_weight, rms_norm
+from dsv41_jax.layers.linear import dequant_weight, lm_head, rms_norm
 from dsv41_jax.layers.moe import MOE_IMPLS, moe
 from dsv41_jax.layers.rope import rope_frequencies
 from dsv41_jax.sampling import SamplingParams
-from dsv41_jax.dtypes import BF16, F32, HIGHEST
+from dsv41_jax.dtypes import BF16, F32
 from pallas_kernels import grouped_matmul
 from pallas_kernels.impls import check_family, on_gpu
 from pallas_kernels.indexer import impl_for_family, select_impl_for_family
@@ -118,6 +118,16 @@ def _fp8_blocks_of(w) -> dict | None:
     return {"fp8": codes.reshape(N, K), "scale": (e + 127).astype(jnp.uint8)}
 
 
+def _bf16_if_exact(w):
+    """An fp32 weight whose values are all exact in bf16 (the LM head: stored BF16, an fp32
+    parameter at run time) -> its bf16 copy, half the bytes a decode step reads; else (or
+    traced: no check possible) ``w`` as it is."""
+    if isinstance(w, jax.core.Tracer) or w.dtype != F32:
+        return w
+    wb = w.astype(BF16)
+    return wb if bool(jnp.all(wb.astype(F32) == w)) else w
+
+
 def _prepare_layer(lp: dict, linears: str, experts: str) -> dict:
     if linears == "stored" and "wo_a" in lp.get("attn", {}):
         fp8 = _fp8_blocks_of(lp["attn"]["wo_a"].get("weight"))
@@ -164,6 +174,10 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
       still quantised on use; FP8 / FP4 values times a power of two are exact in bf16), the
       results differing only in summation order.
 
+    * With ``linears="stored"`` the fp32 LM head is kept in bf16 where every value is exact
+      there (checked; the checkpoint stores it BF16): the head reads half the bytes, its
+      products still exact, accumulated in fp32 (:func:`head_logits`).
+
     * The DSpark draft head (``params["dspark"]``, when loaded) keeps one tree per stage
       (``stages``), its linears in the same form.
 
@@ -202,6 +216,8 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
         groups.append(tuple(runs))
     out = {k: v for k, v in params.items() if k != "layers"}
     out["layer_groups"] = tuple(groups)
+    if linears == "stored" and "head" in out:
+        out["head"] = {**out["head"], "weight": _bf16_if_exact(out["head"]["weight"])}
     if "dspark" in params:
         ds = params["dspark"]
         out["dspark"] = {**_prepare_layer({k: v for k, v in ds.items() if k != "stages"},
@@ -441,11 +457,11 @@ def _run_blocks(params, cfg, plan, groups, X, pre_mix, ch, state, bus, extras, r
 
 
 def head_logits(params, cfg: ModelConfig, X, pre_mix) -> tuple[jax.Array, jax.Array]:
-    """``(final_hidden bf16 [..., D], logits fp32 [..., V])``: collapse, norm, fp32 head."""
+    """``(final_hidden bf16 [..., D], logits fp32 [..., V])``: collapse, norm, fp32 head (a
+    head kept in bf16 by :func:`prepare_params` multiplies the bf16 hidden state directly:
+    the products are exact either way, accumulated in fp32)."""
     h = rms_norm(mhc.hc_pre(X, pre_mix), params["norm"]["weight"], cfg.norm_eps)
-    logits = jnp.einsum("...d,vd->...v", h.astype(F32), params["head"]["weight"],
-                        precision=HIGHEST, preferred_element_type=F32)
-    return h, logits
+    return h, lm_head(h, params["head"]["weight"])
 
 
 def _logits_at(params, cfg, X, pre_mix, last):

@@ -96,6 +96,16 @@ def test_prepare_params_forms_and_refusal():
     np.testing.assert_array_equal(
         np.asarray(lin.dequant_weight(lp["attn"]["wo_a"], jnp.float32)),
         np.asarray(raw["layers"][3]["attn"]["wo_a"]["weight"], np.float32))
+    # the fp32 LM head (BF16 in the checkpoint) kept in bf16 with exactly its values; the bf16
+    # form keeps the fp32 parameter; a head with values bf16 cannot hold stays fp32
+    assert raw["head"]["weight"].dtype == jnp.float32
+    assert stored["head"]["weight"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(stored["head"]["weight"], np.float32),
+                                  np.asarray(raw["head"]["weight"]))
+    assert model.prepare_params(raw, cfg, linears="bf16")["head"]["weight"].dtype == jnp.float32
+    odd = {**raw, "head": {"weight": raw["head"]["weight"] * np.float32(1 + 2 ** -20)}}
+    assert model.prepare_params(odd, cfg, linears="stored")["head"]["weight"].dtype == \
+        jnp.float32
 
 
 def test_fp8_blocks_only_for_exact_fp8_values():

@@ -23,7 +23,7 @@ from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.attention import (Bus, output_projection, queries, sparse_attention_reference,
                                         window_kv)
-from dsv41_jax.layers.linear import linear, rms_norm
+from dsv41_jax.layers.linear import linear, lm_head, rms_norm
 from dsv41_jax.layers.moe import moe
 from dsv41_jax.layers.rope import rope_angles, rope_frequencies
 from dsv41_jax.sampling import SamplingParams, sample
@@ -124,9 +124,7 @@ def draft_block(pd: dict, embed: Float[Array, "V D"], head: Float[Array, "V D"],
                                             norm_eps=cfg.norm_eps)
     Y = mhc.hc_pre(X, pre_mix)
     h = rms_norm(Y, pd["norm"]["weight"], cfg.norm_eps)
-    logits = jnp.einsum("bsd,vd->bsv", h.astype(F32), head, precision=HIGHEST,
-                        preferred_element_type=F32)
-    return Y, logits
+    return Y, lm_head(h, head)
 
 
 def markov_bias(pd: dict, ids: Int[Array, "B"]) -> tuple[jax.Array, jax.Array]:

@@ -167,3 +167,14 @@ def rms_norm(x: Float[Array, "... D"], w: Float[Array, "D"], eps: float) -> Floa
     xf = x.astype(F32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (w.astype(F32) * y).astype(x.dtype)
+
+
+def lm_head(h: Float[Array, "... D"], w: Float[Array, "V D"]) -> Float[Array, "... V"]:
+    """fp32 logits ``f32(h) @ W^T`` of an LM head: ``W`` fp32 (the reference's run-time
+    parameter), or bf16 holding the same values (:func:`dsv41_jax.model.prepare_params`' stored
+    form), which multiplies ``h`` in bf16 (``h`` is bf16 at every head): the products are
+    exact either way, accumulated in fp32. See docs/architecture.md, "Quantised linears"."""
+    if w.dtype == BF16:
+        return jnp.einsum("...d,vd->...v", h.astype(BF16), w, preferred_element_type=F32)
+    return jnp.einsum("...d,vd->...v", h.astype(F32), w, precision=HIGHEST,
+                      preferred_element_type=F32)
