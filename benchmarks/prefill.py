@@ -16,6 +16,7 @@ records the XLA compiles of its warm-up and of its timed part (the latter must b
 
     dsv41-bench-prefill --out results.json                 # on the accelerator
     dsv41-bench-prefill --tiny --lengths 64,128 --chunk 64 # CPU smoke test
+    dsv41-bench-prefill --mesh tensor=2,expert=4           # on a mesh of 8 devices
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from tqdm import tqdm
 
 from benchmarks import config as bench_config
 from benchmarks.timing import memory_stats, write_json, xla_compiles
-from dsv41_jax import model, random_weights, state as st
-from dsv41_jax.cli.args import Parser, positive_int, positive_ints
+from dsv41_jax import model, random_weights, sharding, state as st
+from dsv41_jax.cli.args import Parser, mesh_spec, positive_int, positive_ints
 
 GB = 1e9
 
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "static shapes); seconds for the whole prompt are then projected as "
                          "chunks x the measured time per chunk, and marked as such")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--mesh", type=mesh_spec, default=None, metavar="data=D,tensor=T,expert=E",
+                    help="run on a device mesh of these axis sizes (their product: the number "
+                         "of devices; an axis left out is 1; data must be 1: a prompt is one "
+                         "row; docs/architecture.md, 'Sharding'); default: one device, no mesh")
     return ap
 
 
@@ -105,6 +110,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.impls = model.kernel_impls(args.cfg, args.attn_impl)
     except ValueError as e:
         ap.error(" ".join(str(e).split()))
+    if args.mesh is not None:
+        if args.mesh["data"] > 1:
+            ap.error(f"argument --mesh: data={args.mesh['data']} splits rows of a batch, and "
+                     f"the prompts have batch 1 (use data=1)")
+        if args.cfg.n_routed_experts % args.mesh["expert"]:
+            ap.error(f"argument --mesh: the config's {args.cfg.n_routed_experts} routed experts "
+                     f"do not divide by expert={args.mesh['expert']}")
+    args.device_mesh = None   # made by benchmark() once JAX may start its backends
     return args
 
 
@@ -127,13 +140,14 @@ def chunks_of(tokens: np.ndarray, chunk: int):
     return out
 
 
-def run_chunks(params, cfg, pieces, state, mode, attn_impl, bar=None, times=None):
-    """Prefill ``pieces`` (from :func:`chunks_of`) into ``state``; ``times``: a list that gets
-    the wall time at each call's return. Returns ``(out, state)`` of the last call."""
+def run_chunks(params, cfg, pieces, state, mode, attn_impl, bar=None, times=None, mesh=None):
+    """Prefill ``pieces`` (from :func:`chunks_of`) into ``state``, on ``mesh`` (None: one
+    device); ``times``: a list that gets the wall time at each call's return. Returns ``(out,
+    state)`` of the last call."""
     out = None
     for toks, n in pieces:
         out, state = dsv41_jax.prefill(params, cfg, toks, state, np.array([n], np.int32),
-                                       mode=mode, attn_impl=attn_impl)
+                                       mode=mode, attn_impl=attn_impl, mesh=mesh)
         if times is not None:
             times.append(time.perf_counter())
         if bar is not None:
@@ -141,26 +155,34 @@ def run_chunks(params, cfg, pieces, state, mode, attn_impl, bar=None, times=None
     return out, state
 
 
+def _fresh_state(cfg, capacity: int, mesh):
+    """A state of one row, placed on ``mesh`` (when given) before any timing."""
+    state = st.init_state(cfg, 1, capacity)
+    if mesh is not None:
+        state = sharding.shard_state(state, mesh)
+    return jax.block_until_ready(state)
+
+
 def bench_one(params, cfg, n_tokens: int, mode: str, args: argparse.Namespace) -> dict:
     """Warm up, then time one chunked prefill of ``n_tokens`` tokens in ``mode`` (``args``:
     ``chunk``, ``capacity``, ``warmup_chunks``, ``max_chunks``, ``seed``, ``attn_impl``,
-    ``no_progress``). Returns the run's record, with its last logits under ``_logits``."""
+    ``no_progress``, ``device_mesh``: the mesh or None). Returns the run's record, with its
+    last logits under ``_logits``."""
     capacity = args.capacity or n_tokens
     chunk = min(args.chunk, n_tokens)
+    mesh = getattr(args, "device_mesh", None)
     pieces = chunks_of(prompt_tokens(cfg, n_tokens, args.seed), chunk)
     n_warm = min(args.warmup_chunks, len(pieces))
-    ws = st.init_state(cfg, 1, capacity)
-    jax.block_until_ready(ws)
+    ws = _fresh_state(cfg, capacity, mesh)
     c0 = xla_compiles()
     t0 = time.perf_counter()
-    wout, ws = run_chunks(params, cfg, pieces[:n_warm], ws, mode, args.attn_impl)
+    wout, ws = run_chunks(params, cfg, pieces[:n_warm], ws, mode, args.attn_impl, mesh=mesh)
     jax.block_until_ready((wout, ws))
     warm_s = time.perf_counter() - t0
     c1 = xla_compiles()
     del wout, ws
 
-    state = st.init_state(cfg, 1, capacity)
-    jax.block_until_ready(state)
+    state = _fresh_state(cfg, capacity, mesh)
     times: list = []
     bar = tqdm(total=n_tokens, unit="tok", desc=f"{mode:5s} N={n_tokens}", mininterval=2.0,
                disable=args.no_progress, leave=False)
@@ -169,7 +191,8 @@ def bench_one(params, cfg, n_tokens: int, mode: str, args: argparse.Namespace) -
         pieces = pieces[:args.max_chunks]
     timed_tokens = sum(n for _, n in pieces)
     t1 = time.perf_counter()
-    out, state = run_chunks(params, cfg, pieces, state, mode, args.attn_impl, bar, times)
+    out, state = run_chunks(params, cfg, pieces, state, mode, args.attn_impl, bar, times,
+                            mesh=mesh)
     jax.block_until_ready((out, state))
     t2 = time.perf_counter()
     c2 = xla_compiles()
@@ -266,6 +289,11 @@ def benchmark(args: argparse.Namespace) -> dict:
                 "bench (release attention dimensions and layer layout)")
     reductions = bench_config.reductions(cfg, release)
     plan = dsv41_jax.LayerPlan.from_config(cfg)
+    if args.mesh is not None:
+        try:
+            args.device_mesh = sharding.make_mesh(**args.mesh)
+        except ValueError as e:
+            raise SystemExit(f"dsv41-bench-prefill: error: argument --mesh: {e}") from None
     dev = jax.devices()[0]
     engram_note = (f"shrunk: Engram layers {list(cfg.engram_layer_ids)} kept (heads, head dim, "
                    f"n-gram size and wkv as released), hash tables of "
@@ -284,6 +312,8 @@ def benchmark(args: argparse.Namespace) -> dict:
     print(f"MoE: {cfg.n_routed_experts} routed experts computed densely (top-"
           f"{cfg.n_activated_experts} weights) + 1 shared expert")
     print(f"attn_impl: {args.attn_impl!r} (attention, indexer scores, top-k: {args.impls})")
+    if args.device_mesh is not None:
+        print(f"mesh: {dict(args.device_mesh.shape)} over {args.device_mesh.size} device(s)")
 
     t0 = time.perf_counter()
     token_map = bench_config.identity_token_map(cfg.vocab_size) if cfg.engram_layer_ids else None
@@ -295,9 +325,12 @@ def benchmark(args: argparse.Namespace) -> dict:
           f"{params_s:.1f}s")
     # prepared once (stacked layer groups, FP8 linears dequantised), not inside every timed call
     params = model.prepare_params(params, cfg)
+    if args.device_mesh is not None:   # placed once, not by every timed call
+        params = sharding.shard_params(params, cfg, args.device_mesh)
     jax.block_until_ready(params)
 
-    settings = {k: v for k, v in vars(args).items() if k not in ("cfg", "release", "impls")}
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("cfg", "release", "impls", "device_mesh")}
     results = {
         "config_name": cfg_name, "config": cfg.to_dict(), "reductions": reductions,
         "engram": engram_note, "ced_decoder_start": plan.decoder_start,
@@ -306,6 +339,7 @@ def benchmark(args: argparse.Namespace) -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "args": settings,
         "attn_impl": args.attn_impl, "kernel_impls": list(args.impls),
         "params_bytes": params_bytes, "params_s": params_s, "runs": [], "speedups": [],
+        "mesh": None if args.device_mesh is None else dict(args.device_mesh.shape),
     }
     for n in sorted(set(args.lengths)):
         for m in (m for m in ("ced", "exact") if m in args.modes):

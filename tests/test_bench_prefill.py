@@ -120,7 +120,38 @@ def test_bench_prefill_max_chunks_projects(tmp_path, capsys):
     assert res["runs"][0]["_logits"].shape == (1, 512)
 
 
+def test_bench_prefill_mesh(tmp_path, capsys):
+    """``--mesh`` over this process's devices (one in the usual test run: the one-device mesh
+    ``tensor=1``): the parameters and each run's states are placed on the mesh before the
+    timing (the timed run compiles nothing), the mesh is recorded, and the last logits equal
+    the run without a mesh bit for bit (whose program test_bench_prefill_tiny compiled)."""
+    n = jax.device_count()
+    argv = ["--tiny", "--lengths", "64", "--capacity", "128", "--chunk", "64", "--modes", "ced",
+            "--no-progress"]
+    args = bp.parse_args(argv + ["--mesh", f"tensor={n}", "--out", str(tmp_path / "m.json")])
+    assert args.mesh == {"data": 1, "tensor": n, "expert": 1} and args.device_mesh is None
+    got = bp.benchmark(args)
+    assert f"mesh: {{'data': 1, 'tensor': {n}, 'expert': 1}} over {n} device(s)" in (
+        capsys.readouterr().out)
+    rec = json.loads((tmp_path / "m.json").read_text())
+    assert rec["mesh"] == {"data": 1, "tensor": n, "expert": 1}
+    assert "device_mesh" not in rec["args"] and rec["args"]["mesh"] == rec["mesh"]
+    [r] = rec["runs"]
+    assert "error" not in r, r.get("error")
+    assert r["state_pos_after"] == 64 and r["xla_compiles_in_timed_run"] == 0
+    assert bp.parse_args(argv).mesh is None
+    want = bp.benchmark(bp.parse_args(argv))
+    assert want["mesh"] is None
+    np.testing.assert_array_equal(got["runs"][0]["_logits"], want["runs"][0]["_logits"])
+
+
 @pytest.mark.parametrize("argv, match", [
+    (["--mesh", "tensor=2,pipe=2"], "argument --mesh: unknown mesh axis 'pipe'; the axes are"),
+    (["--mesh", "expert=0"], "argument --mesh: the size of 'expert' must be an integer >= 1"),
+    (["--mesh", "data=2"], "argument --mesh: data=2 splits rows of a batch, and the prompts "
+                           "have batch 1 (use data=1)"),
+    (["--mesh", "expert=3"], "argument --mesh: the config's 4 routed experts do not divide by "
+                             "expert=3"),
     (["--chunk", "0"], "argument --chunk: must be >= 1, got 0"),
     (["--lengths", "64,-1"], "argument --lengths: must be >= 1, got -1"),
     (["--modes", "ced,fast"], "argument --modes: ['ced', 'fast'] is not a list of ced, exact"),

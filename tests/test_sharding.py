@@ -1,15 +1,16 @@
 """Tensor, expert and data parallelism over a device mesh (docs/architecture.md, "Sharding"):
-the sharded prefill and decode against the single-device ones, the MoE's expert parallelism on
-its own, the placement table, and the ``ValueError`` s of bad meshes.
+the sharded prefill and decode, generation loop and forward against the single-device ones, the
+MoE's expert parallelism on its own, the placement table, and the ``ValueError`` s of bad
+meshes.
 
 The sharded checks need 8 devices: on the CPU, ``--xla_force_host_platform_device_count=8``,
 which must be in ``XLA_FLAGS`` before JAX starts its backend. When this module is run in a
 process with fewer devices (the usual test run), :func:`test_sharded_in_subprocess` runs the
 module again in a subprocess with the flag set, and the 8-device tests skip in the parent.
-Slow: about 4 minutes on 2 CPU cores, nearly all of it compiling (the single-device reference
-and four meshes, a prefill and a decode step each, on the smallest config with every layer
-role; the generation loop on one device and two meshes, ~15 s each; the MoE checks take 15 s;
-the orbax round trip 7 s; the sliced loading 12 s).
+Slow: about 4-5 minutes on 2 CPU cores, nearly all of it compiling (the single-device
+reference and four meshes, a prefill and a decode step each, on the smallest config with every
+layer role; the generation loop on the four meshes, ~15 s each; ``forward`` on one mesh and one
+device, ~20 s; the MoE checks take 15 s; the orbax round trip 7 s; the sliced loading 12 s).
 """
 
 from __future__ import annotations
@@ -327,11 +328,11 @@ def test_sharded_prefill_decode_bitwise(tiny, single, shape):
 
 
 GEN_TOKENS = 3
-#: the generation loop's meshes: every axis split and both paths of the model step (rows one
-#: at a time on a data-1 mesh, one row per device on a data-2 mesh); the other two meshes run
-#: the same model steps in test_sharded_prefill_decode_bitwise, and each mesh here costs a
-#: compilation of the loop (~15 s on 2 cores)
-GEN_MESHES = [(1, 2, 4), (2, 2, 2)]
+#: the generation loop's meshes: the four of the model checks (each costs a compilation of the
+#: loop, ~15 s on 2 cores; the prefill and decode programs are those of
+#: test_sharded_prefill_decode_bitwise): every axis split, and both paths of the model step
+#: (rows one at a time on a data-1 mesh, one row per device on the data-2 and data-8 meshes)
+GEN_MESHES = MESHES
 
 
 def _generate(cfg, params, tokens, lengths, *, mesh=None, batch_invariant=False):
@@ -381,6 +382,39 @@ def test_sharded_generate_bitwise(tiny, single_generated, shape):
                                       err_msg=jax.tree_util.keystr(path))
         if data > 1:
             assert b.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), b.ndim)
+
+
+FORWARD_MESH = (2, 2, 2)
+
+
+@needs_8
+def test_sharded_forward_bitwise(tiny):
+    """:func:`model.forward` (the exact prefill of every position, all logits) on the (2, 2, 2)
+    mesh, the Engram rows split over the 8 devices: ``all_logits`` [B, S, V], ``final_hidden``
+    and every array of the returned state equal the single-device ``forward`` of each row
+    alone bit for bit (each device holds one row, so the reference runs rows as batches of
+    one; bitwise for the reasons of :func:`test_sharded_prefill_decode_bitwise`). One mesh,
+    with every axis split: each mesh costs a compilation of the exact prefill with all logits
+    (``forward`` is ``prefill(mode="exact", all_logits=True)``; the CED prefill and decode run
+    on all four meshes in the prefill test)."""
+    cfg, params, tokens, lengths, _ = tiny
+    B = FORWARD_MESH[0]
+    rows = tokens[:B]   # every row whole (20 tokens > window 16): forward has no lengths
+    mesh, sp = _shard_params(params, cfg, FORWARD_MESH)
+    out, state = model.forward(sp, cfg, rows, return_state=True, mesh=mesh)
+    assert out.all_logits.shape == (B, rows.shape[1], cfg.vocab_size)
+    for b in range(B):
+        ref, ref_state = model.forward(params, cfg, rows[b:b + 1], return_state=True)
+        assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+        np.testing.assert_array_equal(np.asarray(out.all_logits)[b:b + 1],
+                                      np.asarray(ref.all_logits), err_msg=f"row {b}")
+        np.testing.assert_array_equal(np.asarray(out.final_hidden)[b:b + 1],
+                                      np.asarray(ref.final_hidden), err_msg=f"row {b}")
+        for (path, a), (_, s) in zip(_state_leaves(ref_state), _state_leaves(state)):
+            name = jax.tree_util.keystr(path)
+            np.testing.assert_array_equal(np.asarray(s)[b:b + 1], np.asarray(a),
+                                          err_msg=f"row {b} {name}")
+            assert s.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), s.ndim), name
 
 
 @needs_8
