@@ -253,6 +253,24 @@ def _qat(kind: str):
     return lambda x: _ste(x, lambda v: quant.fp4_qdq(v, 32, "e8m0"))
 
 
+# the KV quantisers ``train_forward(qat=...)`` can apply: FP8 window KV, FP4 main KV, the
+# indexer's MXFP4 K (as the state stores them) and its MXFP4 query (as the indexer scores it)
+QAT_KINDS = ("window", "main", "index_k", "index_q")
+
+
+def _quantises(qat, kind: str) -> bool:
+    """Whether ``qat`` applies the quantiser ``kind`` (one of :data:`QAT_KINDS`): a bool
+    (all of them or none), a kind, or a collection of kinds."""
+    if isinstance(qat, (bool, np.bool_)):
+        return bool(qat)
+    if isinstance(qat, str):
+        qat = (qat,)
+    unknown = set(qat) - set(QAT_KINDS)
+    if unknown:
+        raise ValueError(f"unknown qat kinds {sorted(unknown)}; expected some of {QAT_KINDS}")
+    return kind in qat
+
+
 def _mm(x, w):
     """fp32 ``x @ w.T`` (``w`` [out, in])."""
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32)
@@ -293,7 +311,7 @@ def _compress(x, p, ratio: int, eps: float):
     return rms_norm(pooled, p["norm"]["weight"], eps)
 
 
-def _kv_source(p, x, role: LayerRole, cfg: ModelConfig, freqs, qat: bool) -> _Source:
+def _kv_source(p, x, role: LayerRole, cfg: ModelConfig, freqs, qat=False) -> _Source:
     r = role.ratio
     lat = _compress(x, p["compressor"], r, cfg.norm_eps)
     T = lat.shape[1]
@@ -302,12 +320,14 @@ def _kv_source(p, x, role: LayerRole, cfg: ModelConfig, freqs, qat: bool) -> _So
     ik = rms_norm(_mm(lat_i, p["indexer"]["wk"]["weight"]),
                   p["indexer"]["k_norm"]["weight"], cfg.norm_eps)
     main, ik = apply_rope(lat, cos, sin), apply_rope(ik, cos, sin)
-    if qat:
-        main, ik = _qat("main")(main), _qat("index")(ik)
+    if _quantises(qat, "main"):
+        main = _qat("main")(main)
+    if _quantises(qat, "index_k"):
+        ik = _qat("index")(ik)
     return _Source(main=main, index=ik, ratio=r)
 
 
-def _index_scores(p, x, qr, cfg: ModelConfig, cos, sin, src: _Source, qat: bool):
+def _index_scores(p, x, qr, cfg: ModelConfig, cos, sin, src: _Source, qat=False):
     """fp32 indexer scores [B, S, T] (-inf where not visible): ``sum_h relu(q_h . k) * w_h``,
     from detached inputs (:func:`dsv41_jax.layers.indexer.index_queries` without the FP4 QDQ
     and the bf16 roundings)."""
@@ -316,7 +336,7 @@ def _index_scores(p, x, qr, cfg: ModelConfig, cos, sin, src: _Source, qat: bool)
     x, qr = jax.lax.stop_gradient(x), jax.lax.stop_gradient(qr)
     q = _mm(qr, p["wq_b"]["weight"]).reshape(B, S, I, J)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    if qat:
+    if _quantises(qat, "index_q"):
         q = _qat("index")(q)
     w = _mm(x, p["weights_proj"]["weight"]) * (J ** -0.5 * I ** -0.5)
     dot = jnp.einsum("bsij,btj->bsit", q, src.index, preferred_element_type=F32)
@@ -334,9 +354,10 @@ def _kl(target, score, allowed):
     return jnp.sum(jnp.where(any_ok, kl, 0.0)) / jnp.maximum(jnp.sum(any_ok), 1)
 
 
-def _queries_kv(p, x, cfg: ModelConfig, cos, sin, qat: bool):
+def _queries_kv(p, x, cfg: ModelConfig, cos, sin, qat=False):
     """An attention sublayer's ``(query latent [B,S,Q], queries [B,S,H,K], window KV [B,S,K])``
-    at the positions of ``cos`` / ``sin`` (RoPE'd; the KV QDQ'd as FP8 with ``qat``)."""
+    at the positions of ``cos`` / ``sin`` (RoPE'd; the KV QDQ'd as FP8 where ``qat`` applies
+    ``"window"``)."""
     B, S, _ = x.shape
     H, K = cfg.n_heads, cfg.head_dim
     qr = rms_norm(_mm(x, p["wq_a"]["weight"]), p["q_norm"]["weight"], cfg.norm_eps)
@@ -344,7 +365,7 @@ def _queries_kv(p, x, cfg: ModelConfig, cos, sin, qat: bool):
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
     kv = rms_norm(_mm(x, p["wkv"]["weight"]), p["kv_norm"]["weight"], cfg.norm_eps)
     kv = apply_rope(kv, cos, sin)
-    if qat:
+    if _quantises(qat, "window"):
         kv = _qat("window")(kv)
     return qr, q, kv
 
@@ -361,10 +382,11 @@ def _output(p, o, cfg: ModelConfig, cos, sin):
 
 
 def _attention(p, x, role: LayerRole, cfg: ModelConfig, freqs, sources: dict, bus: dict,
-               qat: bool = False, record: dict | None = None):
+               qat=False, record: dict | None = None):
     """One CSA2 attention sublayer in training mode. Returns ``(out [B,S,D], distill loss or
-    None)`` and updates ``sources`` / ``bus`` (dicts) in place; ``record``: a dict to store
-    the layer's attention intermediates in (:func:`train_forward`'s ``collect``)."""
+    None)`` and updates ``sources`` / ``bus`` (dicts) in place; ``qat``: as in
+    :func:`train_forward`; ``record``: a dict to store the layer's attention intermediates in
+    (:func:`train_forward`'s ``collect``)."""
     B, S, _ = x.shape
     H, K, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -432,7 +454,10 @@ def _attention(p, x, role: LayerRole, cfg: ModelConfig, freqs, sources: dict, bu
     if len(values) > 1:
         o = o + jnp.einsum("bsht,btk->bshk", probs[..., S:], values[1],
                            preferred_element_type=F32)
-    return _output(p, o, cfg, cos, sin), distill
+    out = _output(p, o, cfg, cos, sin)
+    if record is not None:
+        record["attn_input"], record["attn_output"] = x, out
+    return out, distill
 
 
 def _swiglu(x, w1, w3, w2, limit: float, route_w=None):
@@ -495,7 +520,7 @@ def _engram(p, X, ids, cfg: ModelConfig):
 
 
 def train_block(p: dict, X, pre_mix, role: LayerRole, cfg: ModelConfig, freqs: dict,
-                sources: dict, bus: dict, engram_ids=None, *, qat: bool = False,
+                sources: dict, bus: dict, engram_ids=None, *, qat=False,
                 record: dict | None = None):
     """One backbone block in training mode (the wiring of :func:`dsv41_jax.model.block`):
     Engram first if the layer has it, mHC around the attention and the MoE. ``X`` fp32
@@ -554,17 +579,21 @@ class TrainOutput:
     features: Any = None
 
 
-def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False,
+def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat=False,
                   collect: bool = False, capture: tuple = ()) -> TrainOutput:
     """Every position of ``tokens`` int32 [B, S] (a sequence from position 0) through every
     layer, differentiably (module docstring; docs/training.md, "The training forward").
     ``tp``: the training form (:func:`train_params_from`), gate biases included.
     ``qat``: apply the inference's KV quantisers (FP8 window KV, FP4 main KV, FP4 indexer
-    q / K) as straight-through QDQ (off by default: training is unquantised).
+    q / K) as straight-through QDQ (off by default: training is unquantised); ``True`` applies
+    all of them, a collection of :data:`QAT_KINDS` (``"window"``, ``"main"``, ``"index_k"``,
+    ``"index_q"``) only those.
     ``collect``: also return every layer's attention intermediates in ``records[layer]``
-    (for analysis; docs/training.md, "Looking inside the trained model"): ``mass_window``,
-    ``mass_global``, ``mass_sink`` fp32 [B, S, H] (each head's attention probability on the
-    window, the selected global entries and the sink); for layers reading a KV source also
+    (for analysis; docs/training.md, "Looking inside the trained model"): ``attn_input`` and
+    ``attn_output`` fp32 [B, S, D] (the attention sublayer's input, after the mHC pre-mix and
+    ``attn_norm``, and its output); ``mass_window``, ``mass_global``, ``mass_sink`` fp32 [B,
+    S, H] (each head's attention probability on the window, the selected global entries and
+    the sink); for layers reading a KV source also
     ``global_logits`` fp32 [B, S, H, T] (the layer's query against every global entry, -inf
     where not yet visible), ``visible`` and ``selected`` bool [B, S, T] (the entries it
     attends over: its own top-k, its index source's for a Reuse layer); for index sources
@@ -609,6 +638,25 @@ def train_forward(tp: dict, cfg: ModelConfig, tokens, *, qat: bool = False,
                        load=jnp.stack(loads), records=records,
                        features=(jnp.stack([captured[L] for L in capture], axis=2) if capture
                                  else None))
+
+
+def attention_sublayers(tp: dict, cfg: ModelConfig, inputs: dict, *, qat=False) -> dict:
+    """Every layer's attention sublayer, teacher-forced: run on ``inputs`` ``{layer: fp32 [B,
+    S, D]}`` (one per layer, e.g. the ``attn_input`` records of :func:`train_forward`) in place
+    of the previous layers' outputs. The KV sources, selections and candidate pool pass from
+    layer to layer as in :func:`train_forward`, so with the same inputs two calls with
+    different ``qat`` (as in :func:`train_forward`) differ only by the quantisers. Returns
+    ``{layer: {"out": fp32 [B, S, D]}}``, with ``"selected"`` bool [B, S, T] (the entries the
+    layer attends over) for layers reading a KV source."""
+    plan = LayerPlan.from_config(cfg)
+    freqs = rope_tables(cfg)
+    sources, bus, outs = {}, {}, {}
+    for role in plan.roles:
+        rec = {}
+        out, _ = _attention(tp["layers"][role.layer]["attn"], inputs[role.layer], role, cfg,
+                            freqs[role.rope], sources, bus, qat, rec)
+        outs[role.layer] = {"out": out, **({"selected": rec["selected"]} if role.ratio else {})}
+    return outs
 
 
 def token_loss(logits, targets, mask=None):

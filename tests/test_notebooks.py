@@ -37,7 +37,8 @@ def test_csa2_modes_notebook():
     top-k invariants it asserts hold over every query, the overlap matrix is a symmetric
     Jaccard matrix with a unit diagonal, the release config's global KV is 890 bytes per
     token, and the trained-model measurements (selection overlap per layer, pool recall,
-    attention mass, bounded-replay KL) are well-formed."""
+    attention mass, FP4 / FP8 KV error with and without selection changes, bounded-replay
+    KL) are well-formed."""
     ns = run_notebook("csa2_modes.ipynb")
     assert {r.mode for r in ns["plan"].roles} == {"swa", "full", "reindex", "reuse"}
     jac = ns["jac"]
@@ -57,6 +58,19 @@ def test_csa2_modes_notebook():
     assert mass.shape == (ns["cfg"].n_layers, 3) and np.allclose(mass.sum(-1), 1, atol=1e-4)
     swa = [r.layer for r in ns["plan"].roles if r.mode == "swa"]
     assert np.all(mass[swa, 1] == 0)                 # SWA-only layers have no global entries
+    # KV quantisation: the values' error with the same top-k (asserted in the notebook), then
+    # the indexer's: SWA-only layers have neither main KV nor a selection
+    kv = ns["kv_error"]
+    assert sorted(kv) == list(range(ns["cfg"].n_layers))
+    for r in ns["plan"].roles:
+        e = kv[r.layer]
+        assert 0 < e["+ FP8 window"][0] < 0.2
+        if r.mode == "swa":
+            assert e["FP4 main"][0] == 0 and e["adds"] == 0
+            assert e["+ MXFP4 index q"][0] == e["+ FP8 window"][0]
+        else:
+            assert 0 < e["FP4 main"][0] and e["adds"] > 0
+            assert 0 < e["+ MXFP4 index K"][1] < 1 and 0 < e["+ MXFP4 index q"][1] < 1
     assert sorted(ns["replay"]) == [1024, 2048, 4096, 8192]
     assert all(0 <= kl_mean <= kl_max < 1 for kl_mean, kl_max, _ in ns["replay"].values())
 

@@ -107,16 +107,22 @@ def test_training_block_computes_the_inference_block():
             assert agree > 0.75, (role, agree)
 
 
-# (path in the training tree, what it exercises); all on the LM loss
-def test_collect_records_what_each_layer_attends_to(tiny):
+@pytest.fixture(scope="module")
+def collected(tiny):
+    """24 tokens through the tiny model's training forward with ``collect=True``."""
+    cfg, tp = tiny
+    tok = _tokens(cfg, (1, 24))
+    return tok, jax.jit(lambda tp, t: training.train_forward(tp, cfg, t, collect=True))(tp, tok)
+
+
+def test_collect_records_what_each_layer_attends_to(tiny, collected):
     """``train_forward(collect=True)`` leaves the logits bitwise as they are and records, per
     layer, attention masses that sum to 1 with the sink, a selection inside the visible entries
     (a Reuse layer's that of its index source), and query logits finite exactly where an entry
     is visible; a Reindex layer's candidate pool and unrestricted indexer scores."""
     cfg, tp = tiny
-    tok = _tokens(cfg, (1, 24))
+    tok, out = collected
     plain = jax.jit(lambda tp, t: training.train_forward(tp, cfg, t))(tp, tok)
-    out = jax.jit(lambda tp, t: training.train_forward(tp, cfg, t, collect=True))(tp, tok)
     assert plain.records is None
     np.testing.assert_array_equal(np.asarray(plain.logits), np.asarray(out.logits))
     roles = LayerPlan.from_config(cfg).roles
@@ -140,6 +146,37 @@ def test_collect_records_what_each_layer_attends_to(tiny):
             assert (~pool & vis).any()          # the pool restricts
 
 
+def test_attention_sublayers_take_the_quantisers_apart(tiny, collected):
+    """``attention_sublayers`` teacher-forced on the training forward's own ``attn_input``
+    records gives its ``attn_output`` and selections; with the value quantisers only
+    (``qat=("main", "window")``) every layer keeps that selection and its output moves; with
+    the indexer's (``"index_k"``, ``"index_q"``) too, as ``qat=True``, some selections change;
+    an unknown kind is refused."""
+    cfg, tp = tiny
+    _, out = collected
+    inputs = {l: r["attn_input"] for l, r in out.records.items()}
+    kinds = [(), ("main", "window"), training.QAT_KINDS, True]
+    runs = jax.jit(lambda tp, x: [training.attention_sublayers(tp, cfg, x, qat=q)
+                                  for q in kinds])(tp, inputs)
+    ref, values, every, qat_true = jax.tree.map(np.asarray, runs)
+    roles = LayerPlan.from_config(cfg).roles
+    changed = 0
+    for r in roles:
+        rec = jax.tree.map(np.asarray, out.records[r.layer])
+        np.testing.assert_allclose(ref[r.layer]["out"], rec["attn_output"], rtol=1e-5,
+                                   atol=1e-6)
+        assert _rel(values[r.layer]["out"], ref[r.layer]["out"]) > 1e-3
+        np.testing.assert_array_equal(every[r.layer]["out"], qat_true[r.layer]["out"])
+        if r.ratio:
+            np.testing.assert_array_equal(ref[r.layer]["selected"], rec["selected"])
+            np.testing.assert_array_equal(values[r.layer]["selected"], rec["selected"])
+            changed += int((every[r.layer]["selected"] != rec["selected"]).sum())
+    assert changed > 0
+    with pytest.raises(ValueError, match="unknown qat kinds"):
+        training.attention_sublayers(tp, cfg, inputs, qat=("main", "fp4"))
+
+
+# (path in the training tree, what it exercises); all on the LM loss
 LM_PARAMS = [
     (("layers", 1, "attn", "wq_a", "weight"), "attention query (Full, ratio 2)"),
     (("layers", 4, "attn", "wkv", "weight"), "window KV (Reuse, ratio 1)"),
