@@ -173,6 +173,51 @@ def test_moe_on_a_stack_in_kernel_form(tokens):
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_few_pairs_on_the_kernel(tokens):
+    """A few-pairs call (a decode step) with ``GATHERED_ON_KERNEL``: one token tile per pair
+    (no sort by expert), the experts read in place from a stack with ``"at"``, the kernel in
+    interpret mode; equals the gathered path on the stored form within one bf16 rounding,
+    tokens sharing an expert included."""
+    from dsv41_jax.config import ModelConfig
+    from dsv41_jax.layers import moe as moe_layer
+    rng = np.random.default_rng(8)
+    E, D, F, L = 4, 128, 128, 3
+    cfg = ModelConfig.from_json("configs/small.json").replace(
+        dim=D, moe_inter_dim=F, n_routed_experts=E, n_activated_experts=2)
+    stacks = {k: _experts(rng, E, *((F, D) if k != "w2" else (D, F)), L)
+              for k in ("w1", "w3", "w2")}
+    layer = 2
+    x = jnp.asarray(rng.normal(0, 1, (tokens, D)), jnp.bfloat16)
+    idx = jnp.asarray([[3, 1], [1, 0], [2, 3]][:tokens], jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+    stored = {k: {"fp4": c[layer], "scale": s[layer]} for k, (c, s) in stacks.items()}
+    kernel = {k: {**jax.vmap(gm.prepare_experts)(c, s), "at": jnp.int32(layer)}
+              for k, (c, s) in stacks.items()}
+    assert moe_layer.gathered(tokens * 2, E)
+    want = np.asarray(moe_layer._routed_sum(x, stored, idx, w, E, "routed", 10.0))
+    calls = []
+    real = gm.padded_matmul
+
+    def interpret(*a, **kw):
+        calls.append(a[2].tile_expert.shape)
+        try:
+            return real(*a, interpret=True, **kw)
+        except Exception:
+            _reset_interpreter()
+            raise
+    with mock.patch.object(moe_layer, "GATHERED_ON_KERNEL", True), \
+            mock.patch.object(gm, "uses_kernel", lambda w, impl="auto": True), \
+            mock.patch.object(gm, "padded_matmul", interpret):
+        got = np.asarray(moe_layer._routed_sum(x, kernel, idx, w, E, "routed", 10.0))
+    assert calls == [(tokens * 2,)] * 3                # one tile per pair, three projections
+    _close(got, want)
+    pad = gm.pair_padding(jnp.asarray([2, 0, 2], jnp.int32))
+    np.testing.assert_array_equal(pad.dest, [0, 8, 16])
+    np.testing.assert_array_equal(pad.src[:9], [0, 3, 3, 3, 3, 3, 3, 3, 1])
+    np.testing.assert_array_equal(pad.unpad_t(jnp.arange(24.0)[None]), [[0.0], [8.0], [16.0]])
+
+
 def _export_h200(f, *args):
     return jax.export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
 
@@ -238,6 +283,13 @@ def test_model_decode_lowers_with_kernel(kernel_cfg_params):
                                kernel, s, jnp.zeros((batch,), jnp.int32)).mlir_module()
         counts[batch] = text.count("fp4_grouped_matmul")
     assert counts[1] == 0 and counts[small] == 0 and counts[big] > 0
+    with mock.patch("pallas_kernels.impls.on_gpu", lambda backend=None: True), \
+            mock.patch.object(moe_layer, "GATHERED_ON_KERNEL", True):
+        text = h200_export(model.decode_fn(cfg, attn_impl="xla", moe_impl="routed"),
+                           kernel, st.init_state(cfg, 1, 32),
+                           jnp.zeros((1,), jnp.int32)).mlir_module()
+    # the few-pairs path: the routed path's three kernels per MoE layer body
+    assert text.count("fp4_grouped_matmul") == counts[big]
 
 
 def test_benchmark_rows():

@@ -137,12 +137,8 @@ def _grouped_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
     pairs = (jnp.arange(N)[:, None] * k + jnp.argsort(idx, axis=-1)).reshape(-1)
     pos = jnp.zeros_like(perm).at[perm].set(jnp.arange(N * k, dtype=perm.dtype))[pairs]
     if grouped_matmul.uses_kernel(experts["w1"]):
-        yt, pad = _padded_experts(x, experts, perm // k, ws, group_sizes, limit)
-        y = jnp.take(yt, pad.dest[pos], axis=1).reshape(-1, N, k)        # [D, N, k], gathered
-        acc = jnp.zeros(y.shape[:2], F32)
-        for j in range(k):
-            acc = acc + y[..., j].astype(F32)
-        return acc.T
+        pad = grouped_matmul.padding(group_sizes, N * k)
+        return _padded_experts(x, experts, perm // k, ws, pad, pos, limit)
     xs = x[perm // k]                                            # [P, D] the pairs' tokens
     g = _grouped_linear(xs, experts["w1"], group_sizes).astype(F32)
     up = _grouped_linear(xs, experts["w3"], group_sizes).astype(F32)
@@ -164,17 +160,38 @@ def _swiglu(g, up, ws, limit: float):
 
 
 def _padded_experts(x: Float[Array, "N D"], experts: dict, token: Int[Array, "P"],
-                    ws: Float[Array, "P"], group_sizes: Int[Array, "E"], limit: float):
-    """:func:`_grouped_experts`' three projections on the GPU kernel: the pairs (token of
-    each, sorted by expert) gathered once into the kernel's padded layout, kept in it between
-    the projections. Returns ``(Y^T bf16 [D, R], the padding)``: column ``pad.dest[p]`` holds
-    sorted pair ``p``'s output."""
-    pad = grouped_matmul.padding(group_sizes, token.shape[0])
+                    ws: Float[Array, "P"], pad: grouped_matmul.Padding, pos: Int[Array, "Nk"],
+                    limit: float) -> Float[Array, "N D"]:
+    """The routed experts' three projections on the GPU kernel, ``pad``'s rows being the
+    pairs (``token`` and routing weight ``ws`` of each): the pairs gathered once into the
+    kernel's padded layout, kept in it between the projections; then each token's ``k``
+    outputs (pairs ``pos.reshape(N, k)``, in increasing expert id) added in fp32."""
+    N = x.shape[0]
     xp = pad.pad(quant.act_quant_qdq(x, 32), token)            # the FP8 QDQ rows, padded
     gt = grouped_matmul.padded_matmul(xp, experts["w1"], pad).astype(F32)    # [F, R]
     upt = grouped_matmul.padded_matmul(xp, experts["w3"], pad).astype(F32)
     a = _swiglu(gt.T, upt.T, pad.pad(ws), limit)
-    return grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad), pad
+    yt = grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad)
+    y = jnp.take(yt, pad.dest[pos], axis=1).reshape(-1, N, pos.shape[0] // N)   # [D, N, k]
+    acc = jnp.zeros(y.shape[:2], F32)
+    for j in range(y.shape[-1]):
+        acc = acc + y[..., j].astype(F32)
+    return acc.T
+
+
+def _pair_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
+                  w: Float[Array, "N k"], limit: float) -> Float[Array, "N D"]:
+    """The few-pairs call (:func:`gathered`) on the GPU kernel: each token's pairs in
+    increasing expert id, one token tile per pair (:func:`grouped_matmul.pair_padding`: no
+    sort by expert, no group sizes), the experts' FP4 weights read in place from their stack;
+    the same sums as :func:`_routed_experts` up to the summation order inside each product."""
+    N, k = idx.shape
+    order = jnp.argsort(idx, axis=-1)
+    ids = jnp.take_along_axis(idx, order, axis=-1).reshape(-1)
+    ws = jnp.take_along_axis(w, order, axis=-1).reshape(-1)
+    pad = grouped_matmul.pair_padding(ids)
+    token = jnp.repeat(jnp.arange(N, dtype=jnp.int32), k)
+    return _padded_experts(x, experts, token, ws, pad, jnp.arange(N * k), limit)
 
 
 MOE_IMPLS = ("auto", "dense", "routed")
@@ -185,6 +202,15 @@ MOE_IMPLS = ("auto", "dense", "routed")
 #: against 16.6 ms for 2 gathered positions), where gathering 64 experts' FP4 weights per
 #: layer reads about 0.1 GB.
 GATHERED_PAIRS = 64
+
+
+#: Whether a few-pairs call (:func:`gathered`) with kernel-form experts on a GPU runs the
+#: grouped matmul kernel with one token tile per pair (:func:`_pair_experts`: the FP4 bytes of
+#: the pairs' experts read in place) instead of gathering the experts' weights and
+#: dequantising them to bf16 (:func:`_routed_experts`). Off until it is timed against the
+#: gathered path on the H200 (``.carry``'s decode A/B); the two agree up to the summation
+#: order inside each product (tests/test_grouped_matmul.py).
+GATHERED_ON_KERNEL = False
 
 
 def gathered(n_pairs: int, n_exp: int) -> bool:
@@ -243,6 +269,9 @@ def _routed_sum(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
             and not gathered(x.shape[0] * k, n_exp)):
         # the stacks handed on whole: the grouped matmul reads them in place
         return _grouped_experts(x, experts, idx, w, limit)
+    if (gathered(x.shape[0] * k, n_exp) and GATHERED_ON_KERNEL
+            and grouped_matmul.uses_kernel(experts["w1"])):
+        return _pair_experts(x, experts, idx, w, limit)
     experts = {name: grouped_matmul.in_layer(v) for name, v in experts.items()}
     if gathered(x.shape[0] * k, n_exp):
         return _routed_experts(x, experts, idx, w, limit)

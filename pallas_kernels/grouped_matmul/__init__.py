@@ -31,7 +31,7 @@ from pallas_kernels.fp4.reference import BF16, F32
 from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tpu
 
 __all__ = ["grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form", "dequant",
-           "in_layer", "Padding", "padding", "padded_matmul", "uses_kernel"]
+           "in_layer", "Padding", "padding", "pair_padding", "padded_matmul", "uses_kernel"]
 
 prepare_experts = mosaic_gpu.prepare_experts
 
@@ -111,6 +111,20 @@ def padding(group_sizes: Int[Array, "E"], rows: int, block_m: int | None = None)
     src = jnp.full((R,), rows, jnp.int32).at[dest].set(jnp.arange(rows, dtype=jnp.int32),
                                                          mode="drop")
     return Padding(dest, src, tile_expert, bm)
+
+
+def pair_padding(row_expert: Int[Array, "P"], block_m: int = mosaic_gpu.BLOCK_MS[0]
+                 ) -> Padding:
+    """The layout of a call with few rows (a decode step's (token, expert) pairs): each row
+    alone in its own token tile, tile ``p`` belonging to expert ``row_expert[p]``, in the rows'
+    order. Nothing is sorted, counted or scattered (the layout is static but for the tiles'
+    experts), and every tile reads its expert's weights once, so a call of ``P`` rows reads
+    ``P`` experts' FP4 bytes (pairs that share an expert read it again)."""
+    P = row_expert.shape[0]
+    r = jnp.arange(P * block_m, dtype=jnp.int32)
+    return Padding(dest=jnp.arange(P, dtype=jnp.int32) * block_m,
+                   src=jnp.where(r % block_m == 0, r // block_m, P),
+                   tile_expert=row_expert.astype(jnp.int32), block_m=block_m)
 
 
 def uses_kernel(w: dict, impl: str = "auto") -> bool:
