@@ -9,7 +9,7 @@ in the same run, and what the best tuning would save per decode step.
 The shapes and their calls per step come from tracing one ``decode_step`` of the config at
 batch ``--batch`` (every :func:`pallas_kernels.gemv.fp8_gemv` call is recorded: ``x [M, G,
 K]``, the stack ``[L, N, K]``, ``act_quant``; a call site inside a scanned layer group runs
-once per layer of its stack). Each tuning (``block_k`` x ``k_splits`` x
+once per layer of its stack). Each tuning (``block_k`` x ``k_splits`` x ``block_n`` x
 ``num_warps`` x ``num_stages``; a combination the kernel refuses is skipped) runs ``--calls``
 GEMVs on distinct layers of the stack per timed call (device time from a profiler trace, the
 partial-sum reduction included) and is checked against the kernel's default tuning (equal up
@@ -75,17 +75,20 @@ def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
     return sorted(merged.values(), key=lambda e: -e["calls"] * e["w"][1] * e["w"][2])
 
 
-def _tunings(N: int, K: int, args) -> list[dict]:
-    """The swept tunings that the kernel accepts for ``[N, K]`` (the default first)."""
+def _tunings(N: int, K: int, args, G: int = 1) -> list[dict]:
+    """The swept tunings that the kernel accepts for ``[N, K]`` in ``G`` groups (the default
+    first)."""
     default = dict(zip(("block_k", "k_splits"), gemv_triton.config(N, K)))
-    out = [{**default, "num_warps": 4, "num_stages": 3}]
-    for bk, ks, nw, ns in itertools.product(args.block_k, args.k_splits, args.num_warps,
-                                            args.num_stages):
+    out = [{**default, "block_n": gemv_triton.BLOCK_N, "num_warps": 4, "num_stages": 3}]
+    for bk, ks, bn, nw, ns in itertools.product(args.block_k, args.k_splits, args.block_n,
+                                                args.num_warps, args.num_stages):
         try:
-            gemv_triton.config(N, K, block_k=bk, k_splits=ks)
+            gemv_triton.config(N, K, block_k=bk, k_splits=ks, block_n=bn)
         except ValueError:
             continue
-        t = {"block_k": bk, "k_splits": ks, "num_warps": nw, "num_stages": ns}
+        if (N // G) % bn:
+            continue
+        t = {"block_k": bk, "k_splits": ks, "block_n": bn, "num_warps": nw, "num_stages": ns}
         if t not in out:
             out.append(t)
     return out
@@ -101,7 +104,7 @@ def bench_shape(entry: dict, args, impl: str, rng) -> dict:
     x = jnp.asarray(rng.normal(0, 1, (M, G, K)), jnp.bfloat16)
     nbytes = N * K + (N // 32) * (K // 32)
     results, want = [], None
-    for t in _tunings(N, K, args)[:args.max_tunings]:
+    for t in _tunings(N, K, args, G)[:args.max_tunings]:
         f = jax.jit(lambda x, w, s, t=tuple(t.items()): [
             gemv.fp8_gemv(x, w, s, jnp.int32(i), act_quant=entry["act_quant"], impl=impl,
                           **dict(t)) for i in range(L)])
@@ -131,7 +134,8 @@ def summarise(row: dict, copy_GBps: float) -> dict:
     default, best = ok[0], min(ok, key=lambda t: t["us"])
     roof = copy_GBps / 2 / 1e3        # a copy reads and writes: read TB/s = half its GB/s
     row.update(default_us=default["us"], best_us=best["us"],
-               best={k: best[k] for k in ("block_k", "k_splits", "num_warps", "num_stages")},
+               best={k: best[k] for k in ("block_k", "k_splits", "block_n", "num_warps",
+                                          "num_stages")},
                default_TBps=default["TBps"], best_TBps=best["TBps"],
                default_of_roof=default["TBps"] / roof, best_of_roof=best["TBps"] / roof,
                step_saving_us=(default["us"] - best["us"]) * row["calls_per_step"])
@@ -150,16 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=1, help="decode batch (default 1)")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated indices into the step's shapes (default all)")
-    ap.add_argument("--block-k", type=_ints, default=[128, 256, 512],
-                    help="block_k values swept (default 128,256,512)")
+    ap.add_argument("--block-k", type=_ints, default=[256, 512],
+                    help="block_k values swept (default 256,512)")
     ap.add_argument("--k-splits", type=_ints, default=[1, 2, 4, 8, 16],
                     help="k_splits values swept (default 1,2,4,8,16)")
+    ap.add_argument("--block-n", type=_ints, default=[32, 64, 128],
+                    help="block_n values swept (default 32,64,128)")
     ap.add_argument("--num-warps", type=_ints, default=[4, 8],
                     help="num_warps values swept (default 4,8)")
-    ap.add_argument("--num-stages", type=_ints, default=[2, 3, 4],
-                    help="num_stages values swept (default 2,3,4)")
-    ap.add_argument("--max-tunings", type=int, default=40,
-                    help="at most this many tunings per shape, the default first (default 40)")
+    ap.add_argument("--num-stages", type=_ints, default=[3],
+                    help="num_stages values swept (default 3)")
+    ap.add_argument("--max-tunings", type=int, default=64,
+                    help="at most this many tunings per shape, the default first (default 64)")
     ap.add_argument("--calls", type=int, default=8,
                     help="GEMVs on distinct layers per timed call (default 8)")
     ap.add_argument("--out", default=None, help="JSON results, rewritten after every shape")

@@ -48,6 +48,8 @@ def test_tiny_sweep_writes_rows(tmp_path):
 def test_tunings_skip_what_the_kernel_refuses():
     args = bench.build_parser().parse_args(["--block-k", "32,64,512", "--k-splits", "1,3"])
     tunings = bench._tunings(64, 128, args)
-    assert tunings[0] == {"block_k": 128, "k_splits": 1, "num_warps": 4, "num_stages": 3}
+    assert tunings[0] == {"block_k": 128, "k_splits": 1, "block_n": 32, "num_warps": 4,
+                          "num_stages": 3}
+    assert {t["block_n"] for t in tunings} == {32, 64}          # 128 > N = 64
     assert {t["block_k"] for t in tunings} == {64, 128}          # 32 < 64, 512 > K
     assert {t["k_splits"] for t in tunings} == {1}               # 3 divides no K / block_k

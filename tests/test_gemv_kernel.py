@@ -30,6 +30,8 @@ def _stack(rng, L, N, K):
     (1, 1, 256, 96, 3, {}),                                   # one k block, 3 row blocks
     (3, 2, 512, 128, 2, {"block_k": 128, "k_splits": 2}),     # grouped, split K
     (16, 1, 1280, 64, 1, {}),                                 # 16 rows, K = 5 x 256
+    (2, 1, 256, 256, 2, {"block_n": 128}),                    # 4 scale rows per program
+    (1, 2, 512, 256, 2, {"block_n": 64, "block_k": 128, "k_splits": 2}),   # grouped, split K
 ])
 def test_interpret_matches_reference(M, G, K, N, L, tune):
     """Every layer of the stack, read by index: equal to the reference up to summation order
@@ -95,9 +97,9 @@ def test_act_quant_kernel_lowers_for_h200():
     rng = np.random.default_rng(0)
     w, s = _stack(rng, 2, 1024, 2048)
     x = jnp.zeros((1, 1, 2048), jnp.bfloat16)
-    for ks in (1, 4):
+    for ks, bn in ((1, 32), (4, 32), (1, 128)):
         ex = h200_export(lambda x, w, s, l: gemv_triton.fp8_gemv(x, w, s, l, act_quant=True,
-                                                                 k_splits=ks),
+                                                                 k_splits=ks, block_n=bn),
                          x, w, s, jnp.int32(1))
         text = ex.mlir_module()
         assert text.count("__gpu$xla.gpu.triton") == 1
@@ -132,6 +134,13 @@ def test_shape_rules_and_refusals():
         gemv.fp8_gemv(x, w, s, jnp.int32(0), impl="gpu_interpret")
     with pytest.raises(ValueError, match="impl must be one of"):
         gemv.fp8_gemv(x, w, s, jnp.int32(0), impl="cuda")
+    for bn in (48, 16, 256):
+        with pytest.raises(ValueError, match=f"block_n={bn} must be a power of two >= 32"):
+            gemv_triton.config(128, 1024, block_n=bn)
+    with pytest.raises(ValueError, match="block_n=128 must divide the rows of a group"):
+        gemv.fp8_gemv(jnp.zeros((1, 2, 64), jnp.bfloat16), jnp.zeros((1, 128, 64),
+                      jnp.float8_e4m3fn), jnp.zeros((1, 4, 2), jnp.uint8), jnp.int32(0),
+                      impl="gpu_interpret", block_n=128)
     for bk in (48, 32, 96):
         with pytest.raises(ValueError, match=f"block_k={bk} must be a power of two >= 64"):
             gemv_triton.config(64, 1024, block_k=bk)

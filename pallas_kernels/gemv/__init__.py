@@ -43,8 +43,8 @@ def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go G
              **tuning) -> Float[Array, "M N"]:
     """See the module docstring. ``act_quant``: FP8 QDQ of ``x`` per 32 inputs first (a
     quantised linear's activation quantisation; the kernel applies it to its tiles, so no
-    separate kernels compute it). ``tuning``: ``block_k``, ``k_splits``, ``num_warps``,
-    ``num_stages`` of the GPU kernel. Raises ``ValueError`` for an unknown ``impl`` or, with
+    separate kernels compute it). ``tuning``: ``block_k``, ``k_splits``, ``block_n``,
+    ``num_warps``, ``num_stages`` of the GPU kernel. Raises ``ValueError`` for an unknown ``impl`` or, with
     ``impl="gpu"``, shapes the kernel does not take."""
     impl = impls.check_family(impl)
     if impl == "auto":

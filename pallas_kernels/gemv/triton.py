@@ -1,7 +1,8 @@
 """Pallas Triton (NVIDIA GPU) kernel of the FP8 stacked GEMV; see :mod:`pallas_kernels.gemv`.
 
-One program handles one block of 32 output rows (one row of E8M0 scale tiles) over one of
-``k_splits`` equal parts of the input dimension, in steps of ``block_k`` columns:
+One program handles ``block_n`` output rows (default 32: one row of E8M0 scale tiles; a
+larger ``block_n`` runs its 32-row blocks on one input tile) over one of ``k_splits`` equal
+parts of the input dimension, in steps of ``block_k`` columns:
 
 * load the layer's FP8 tile ``[32, block_k]`` straight from the stacked weight (the layer index
   is an operand: nothing is sliced out of the stack beforehand) and convert it to bf16 with
@@ -73,17 +74,15 @@ def _act_qdq(x: jax.Array, interpret: bool) -> jax.Array:
     return (q * exp2_int(e)[..., None]).reshape(R, C)
 
 
-def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, rows, act_quant,
-            interpret):
+def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, block_n, n_k, group_rows, rows,
+            act_quant, interpret):
     nb, ks = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
-    g = (nb * BLOCK_N) // group_rows
+    g = (nb * block_n) // group_rows
+    subs = block_n // BLOCK_N           # 32-row blocks, each with its own row of scales
 
-    def step(i, acc):
+    def step(i, accs):
         k0 = (ks * n_k + i) * block_k
-        w = w_ref[layer, pl.ds(nb * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)]
-        s = s_ref[layer, pl.ds(nb, 1), pl.ds(k0 // 32, block_k // 32)].astype(I32)
-        sf = jax.lax.bitcast_convert_type(s << 23, F32)          # E8M0 -> 2**(u - 127)
         if rows < ROWS:     # the block's rows past the input's are masked (read as zero)
             mask = jnp.broadcast_to((jnp.arange(ROWS) < rows)[:, None], (ROWS, block_k))
             x = pltr.load(x_ref.at[:, g, pl.ds(k0, block_k)], mask=mask, other=0.0)
@@ -92,13 +91,21 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, n_k, group_rows, 
         x = x.astype(F32)
         if act_quant:
             x = _act_qdq(x, interpret)          # exact in bf16
-        xs = (x * repeat_columns(sf, 32)).astype(BF16)
-        wb = w.astype(F32 if interpret else BF16)
-        xs = xs.astype(F32) if interpret else xs
-        return acc + jax.lax.dot_general(xs, wb, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=F32)
+        out = []
+        for j in range(subs):
+            w = w_ref[layer, pl.ds(nb * block_n + j * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)]
+            s = s_ref[layer, pl.ds(nb * subs + j, 1), pl.ds(k0 // 32, block_k // 32)].astype(I32)
+            sf = jax.lax.bitcast_convert_type(s << 23, F32)          # E8M0 -> 2**(u - 127)
+            xs = (x * repeat_columns(sf, 32)).astype(BF16)
+            wb = w.astype(F32 if interpret else BF16)
+            xs = xs.astype(F32) if interpret else xs
+            out.append(accs[j] + jax.lax.dot_general(xs, wb, (((1,), (1,)), ((), ())),
+                                                     preferred_element_type=F32))
+        return tuple(out)
 
-    o_ref[...] = jax.lax.fori_loop(0, n_k, step, jnp.zeros((ROWS, BLOCK_N), F32))
+    accs = jax.lax.fori_loop(0, n_k, step, (jnp.zeros((ROWS, BLOCK_N), F32),) * subs)
+    for j in range(subs):
+        o_ref[:, pl.ds(j * BLOCK_N, BLOCK_N)] = accs[j]
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -108,11 +115,16 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = None):
+def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = None,
+           block_n: int = BLOCK_N):
     """``(block_k, k_splits)``: the largest power of two <= 512 dividing K (at least
-    :data:`MIN_BLOCK_K`), and enough splits of K for about :data:`TARGET_PROGRAMS` programs (a
-    power of two dividing K / block_k). Raises ``ValueError`` for a ``block_k`` or
-    ``k_splits`` that does not fit ``K``."""
+    :data:`MIN_BLOCK_K`), and enough splits of K for about :data:`TARGET_PROGRAMS` programs of
+    ``block_n`` output rows (a power of two dividing K / block_k). Raises ``ValueError`` for a
+    ``block_k`` or ``k_splits`` that does not fit ``K``, or a ``block_n`` that is not a power
+    of two multiple of 32 dividing ``N``."""
+    if block_n < BLOCK_N or block_n & (block_n - 1) or N % block_n:
+        raise ValueError(f"block_n={block_n} must be a power of two >= {BLOCK_N} dividing "
+                         f"N={N}")
     if block_k is None:
         block_k = _pow2_divisor(K, 512)
     if block_k < MIN_BLOCK_K or K % block_k or block_k & (block_k - 1):
@@ -120,30 +132,35 @@ def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = No
                          f"K={K}")
     n_kb = K // block_k
     if k_splits is None:
-        k_splits = _pow2_divisor(n_kb, max(1, TARGET_PROGRAMS // max(1, N // BLOCK_N)))
+        k_splits = _pow2_divisor(n_kb, max(1, TARGET_PROGRAMS // max(1, N // block_n)))
     if n_kb % k_splits:
         raise ValueError(f"k_splits={k_splits} must divide K / block_k = {n_kb}")
     return block_k, k_splits
 
 
-@functools.partial(jax.jit, static_argnames=("act_quant", "block_k", "k_splits", "num_warps",
-                                             "num_stages", "interpret"))
-def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None, num_warps=4,
-             num_stages=3, interpret=False):
+@functools.partial(jax.jit, static_argnames=("act_quant", "block_k", "k_splits", "block_n",
+                                             "num_warps", "num_stages", "interpret"))
+def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None,
+             block_n=BLOCK_N, num_warps=4, num_stages=3, interpret=False):
     """See :func:`pallas_kernels.gemv.fp8_gemv`; ``x`` [M <= 16, G, K] (bf16, or with
-    ``act_quant`` any float dtype, quantised from its own values)."""
+    ``act_quant`` any float dtype, quantised from its own values). ``block_n``: output rows per
+    program (32-row blocks sharing the input tile and its act-quant); it must divide ``N / G``
+    when ``G > 1``."""
     M, G, K = x.shape
     L, N, _ = w.shape
-    block_k, k_splits = config(N, K, block_k, k_splits)
+    block_k, k_splits = config(N, K, block_k, k_splits, block_n)
+    if (N // G) % block_n:
+        raise ValueError(f"block_n={block_n} must divide the rows of a group, N / G = {N // G}")
     n_k = K // block_k // k_splits
     x = x if act_quant else x.astype(BF16)
-    kernel = functools.partial(_kernel, block_k=block_k, n_k=n_k, group_rows=N // G, rows=M,
-                               act_quant=act_quant, interpret=interpret)
+    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, n_k=n_k,
+                               group_rows=N // G, rows=M, act_quant=act_quant,
+                               interpret=interpret)
     part = pl.pallas_call(
-        kernel, grid=(N // BLOCK_N, k_splits),
+        kernel, grid=(N // block_n, k_splits),
         in_specs=[pl.BlockSpec(), pl.BlockSpec((ROWS, G, K), lambda nb, ks: (0, 0, 0)),
                   pl.BlockSpec(), pl.BlockSpec()],
-        out_specs=pl.BlockSpec((None, ROWS, BLOCK_N), lambda nb, ks: (ks, 0, nb)),
+        out_specs=pl.BlockSpec((None, ROWS, block_n), lambda nb, ks: (ks, 0, nb)),
         out_shape=jax.ShapeDtypeStruct((k_splits, ROWS, N), F32),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_stacked_gemv",
