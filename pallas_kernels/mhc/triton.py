@@ -158,15 +158,16 @@ def _finish_kernel(p_ref, h_ref, w_ref, scale_ref, base_ref, in_out, pre_out, po
             for i in range(1, hc):
                 tot = tot + c[i * hc + j]
             c[j::hc] = divide(c[j::hc], tot + hc_eps, interpret)
-        c = run_pairs(c, hc=hc, pairs=iters - 1, eps=hc_eps, interpret=interpret)
+        c = run_pairs(tuple(c), hc=hc, pairs=iters - 1, eps=hc_eps, interpret=interpret)
         for k in range(hc * hc):
             pltr.store(comb_out.at[:, np.int32(k)], c[k], mask=rmask)
 
 
-@functools.partial(jax.jit, static_argnames=("hc", "iters", "hc_eps", "norm_eps", "interpret"))
-def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, iters: int,
-                  hc_eps: float, norm_eps: float, interpret: bool = False):
-    """See :func:`pallas_kernels.mhc.sublayer_glue` (arguments checked there)."""
+@functools.partial(jax.jit, static_argnames=("hc", "interpret"))
+def partials(streams, pre_prev, fn, *, hc: int, interpret: bool = False):
+    """The first kernel: ``([X bf16 [T, hc, D] if streams is a tuple,] h bf16 [T, D],
+    partials fp32 [D / chunk, M + 2, T])``, a chunk's ``M`` mixes dot products, ``sum f32(X)^2``
+    and ``sum f32(h)^2`` (the module docstring)."""
     with_post = isinstance(streams, tuple)
     x = streams[1] if with_post else streams
     *batch, _, D = x.shape
@@ -194,15 +195,28 @@ def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, i
                   jax.ShapeDtypeStruct((n_chunks, M + 2, T), F32)]
     out_specs += [pl.BlockSpec((bt, ch), lambda i, t: (t, i)),
                   pl.BlockSpec((None, M + 2, bt), lambda i, t: (i, 0, t))]
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_partials_kernel, hc=hc, M=M, rows=T, bt=bt, ch=ch,
                           with_post=with_post),
         grid=(n_chunks, n_rows), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="mhc_glue_partials",
     )(*ins)
-    X = outs[0].reshape(x.shape) if with_post else x
-    h, partials = outs[-2:]
+
+
+@functools.partial(jax.jit, static_argnames=("hc", "iters", "hc_eps", "norm_eps", "interpret"))
+def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, iters: int,
+                  hc_eps: float, norm_eps: float, interpret: bool = False):
+    """See :func:`pallas_kernels.mhc.sublayer_glue` (arguments checked there)."""
+    x = streams[1] if isinstance(streams, tuple) else streams
+    *batch, _, D = x.shape
+    T = int(np.prod(batch))
+    M = (2 + hc) * hc
+    bt = block_rows(T)
+    n_chunks, n_rows = D // chunk(D, bt), pl.cdiv(T, bt)
+    outs = partials(streams, pre_prev, fn, hc=hc, interpret=interpret)
+    X = outs[0].reshape(x.shape) if isinstance(streams, tuple) else x
+    h, parts = outs[-2:]
 
     dc = chunk(D, bt, NORM_TILE)
     x_in, pre, post, comb = pl.pallas_call(
@@ -224,6 +238,6 @@ def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, i
                    jax.ShapeDtypeStruct((T, hc * hc), F32)],
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="mhc_glue_finish",
-    )(partials, h, norm_weight, scale, base)
+    )(parts, h, norm_weight, scale, base)
     return (X, x_in.reshape(*batch, D), pre.reshape(*batch, hc), post.reshape(*batch, hc),
             comb.reshape(*batch, hc, hc))
