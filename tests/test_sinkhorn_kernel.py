@@ -145,16 +145,19 @@ def test_division_templates_are_ieee(rcp_ulps):
 
 
 def test_decode_step_runs_the_kernel_on_a_gpu():
-    """Built for an H200, every mHC head of a decode step runs its pairs in the kernel (two per
-    block: attention and FFN heads), and the training forward's stays differentiable jnp."""
+    """Built for an H200 with the glue kernels off (as for more rows than
+    :data:`pallas_kernels.mhc.MAX_ROWS`, a prefill), every mHC head runs its pairs in the kernel
+    (two per block: attention and FFN heads); with them on (a decode step) the pairs run
+    inside the glue's second kernel (tests/test_mhc_kernel.py)."""
     from benchmarks.config import e2e_config
     from dsv41_jax import model, state as st
     from dsv41_jax.random_weights import random_params_device
-    from pallas_kernels import impls
+    from pallas_kernels import impls, mhc as mhc_kernels
     cfg, _ = e2e_config("tiny")
     p = model.prepare_params(random_params_device(cfg, 0), cfg)
     state = st.init_state(cfg, 1, 64)
-    with mock.patch.object(impls, "on_gpu", lambda backend=None: True):
+    with mock.patch.object(impls, "on_gpu", lambda backend=None: True), \
+            mock.patch.object(mhc_kernels, "MAX_ROWS", 0):
         ex = h200_export(model.decode_fn(cfg, attn_impl="xla"), p, state,
                           jnp.zeros((1,), jnp.int32))
     names = re.findall(r'name = "([a-z0-9_]+)"', ex.mlir_module())

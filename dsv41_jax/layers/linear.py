@@ -40,6 +40,7 @@ from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from pallas_kernels import gemv, grouped_matmul
 from pallas_kernels.fp4.common import exp2_int
 from pallas_kernels.impls import on_gpu
+from pallas_kernels.mhc.reference import rms_norm  # noqa: F401  (its one copy)
 
 
 # Calls of at most this many rows run as a fused multiply-reduce on a weight kept in its
@@ -159,14 +160,6 @@ def grouped_linear(x: Float[Array, "... G I"], p: dict) -> Float[Array, "... G O
     w = dequant_weight(p, BF16)
     w = w.reshape(G, -1, w.shape[-1])
     return jnp.einsum("...gd,grd->...gr", x, w, preferred_element_type=F32).astype(BF16)
-
-
-def rms_norm(x: Float[Array, "... D"], w: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
-    """LLM RMSNorm: ``bf16(w * (x * rsqrt(mean(x^2) + eps)))`` in fp32 (docs/architecture.md,
-    "Norms, embedding and head")."""
-    xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (w.astype(F32) * y).astype(x.dtype)
 
 
 def lm_head(h: Float[Array, "... D"], w: Float[Array, "V D"]) -> Float[Array, "... V"]:

@@ -50,19 +50,43 @@ fma.rn.f32 $0, r, $3, q;
 }"""
 
 
-def _asm(template: str, *args: jax.Array) -> jax.Array:
+def asm(template: str, *args: jax.Array) -> jax.Array:
+    """One fp32 result of the PTX ``template`` applied elementwise to fp32 ``args``."""
     [out] = pltr.elementwise_inline_asm(
         template, args=list(args), constraints="=f" + ",f" * len(args), pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, F32)])
     return out
 
 
-def _divide(vals: list, s: jax.Array, interpret: bool) -> list:
+def divide(vals: list, s: jax.Array, interpret: bool) -> list:
     """Each of ``vals`` divided by ``s`` (IEEE, round to nearest; see the module docstring)."""
     if interpret:
         return [v / s for v in vals]
-    y = _asm(RECIP_PTX, s)
-    return [_asm(DIV_PTX, v, s, y) for v in vals]
+    y = asm(RECIP_PTX, s)
+    return [asm(DIV_PTX, v, s, y) for v in vals]
+
+
+def run_pairs(planes: tuple, *, hc: int, pairs: int, eps: float, interpret: bool) -> tuple:
+    """``pairs`` (row, column) normalisations of the matrices held as ``hc * hc`` lane vectors
+    (``planes[i * hc + j]`` = entry (i, j) of every lane's matrix), as a ``fori_loop``; sums
+    in increasing index, IEEE divisions (:func:`divide`). Also used by
+    :mod:`pallas_kernels.mhc`'s kernel."""
+
+    def pair(_, p):
+        p = list(p)
+        for i in range(hc):                                   # rows
+            s = p[i * hc]
+            for j in range(1, hc):
+                s = s + p[i * hc + j]
+            p[i * hc:(i + 1) * hc] = divide(p[i * hc:(i + 1) * hc], s + eps, interpret)
+        for j in range(hc):                                   # columns
+            s = p[j]
+            for i in range(1, hc):
+                s = s + p[i * hc + j]
+            p[j::hc] = divide(p[j::hc], s + eps, interpret)
+        return tuple(p)
+
+    return jax.lax.fori_loop(0, pairs, pair, tuple(planes))
 
 
 def _kernel(c_ref, o_ref, *, hc: int, pairs: int, eps: float, rows: int, block: int,
@@ -72,21 +96,7 @@ def _kernel(c_ref, o_ref, *, hc: int, pairs: int, eps: float, rows: int, block: 
     planes = tuple(pltr.load(c_ref.at[:, np.int32(k)], mask=mask, other=1.0)
                    for k in range(hc * hc))
 
-    def pair(_, p):
-        p = list(p)
-        for i in range(hc):                                   # rows
-            s = p[i * hc]
-            for j in range(1, hc):
-                s = s + p[i * hc + j]
-            p[i * hc:(i + 1) * hc] = _divide(p[i * hc:(i + 1) * hc], s + eps, interpret)
-        for j in range(hc):                                   # columns
-            s = p[j]
-            for i in range(1, hc):
-                s = s + p[i * hc + j]
-            p[j::hc] = _divide(p[j::hc], s + eps, interpret)
-        return tuple(p)
-
-    out = jax.lax.fori_loop(0, pairs, pair, planes)
+    out = run_pairs(planes, hc=hc, pairs=pairs, eps=eps, interpret=interpret)
     for k in range(hc * hc):
         pltr.store(o_ref.at[:, np.int32(k)], out[k], mask=mask)
 

@@ -1,0 +1,243 @@
+"""Pallas Triton (NVIDIA GPU) kernels of :func:`pallas_kernels.mhc.sublayer_glue`.
+
+Two launches, no XLA op between them or around them (every reshape is a bitcast):
+
+* :func:`_partials_kernel`, grid ``(D / chunk, T / rows)``: per program a ``[rows, chunk]``
+  slice of every stream. Optionally ``X = hc_post(y, res, post, comb)`` of the slice (stored
+  bf16), then ``h = hc_pre(X, pre_prev)`` (stored bf16), and the slice's partial sums for each
+  row: the ``M = (2 + hc) * hc`` mixes dot products with ``fn``'s ``hc`` stream slices, the sum
+  of ``f32(X)^2`` and the sum of ``f32(h)^2`` -> ``partials`` fp32 ``[D / chunk, M + 2, T]``.
+* :func:`_finish_kernel`, grid ``(T / rows, D / norm_chunk)``: every program sums the
+  ``partials`` over the chunks (in increasing chunk order) for its rows and writes its
+  ``[rows, norm_chunk]`` slice of ``input = bf16(w * (h * rsqrt(sum_h2 / D + eps)))``; the
+  programs of the first column also run the whole Sinkhorn split of their rows (each lane one
+  row's matrix, as :mod:`pallas_kernels.sinkhorn.triton`, whose IEEE division and pairs they
+  share) and write ``pre``, ``post``, ``comb``.
+
+Rows past ``T`` of a ragged last row block are masked in the kernels (loads read 0 or 1, stores
+skip them). ``D`` must be a multiple of :data:`MIN_CHUNK`; chunks are powers of two dividing
+``D`` (a DeepSeek-V4.1-Flash ``D = 5120``: 40 chunks of 128 at ``T <= 16``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.sinkhorn.triton import divide, run_pairs
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+MIN_CHUNK = 64         # a tile's width along D (narrower tiles crashed another kernel's build)
+MAX_BLOCK_ROWS = 64    # rows per program
+TILE = 2048            # elements of one stream's [rows, chunk] tile in the partials kernel
+NORM_TILE = 4096       # elements of the [rows, norm_chunk] tile in the finishing kernel
+
+
+def block_rows(T: int) -> int:
+    """Rows per program: the smallest power of two >= ``T``, at least 16, at most
+    :data:`MAX_BLOCK_ROWS`."""
+    b = 16
+    while b < min(T, MAX_BLOCK_ROWS):
+        b *= 2
+    return b
+
+
+def chunk(D: int, rows: int, tile: int = TILE) -> int:
+    """The largest power of two dividing ``D`` with ``rows * chunk <= tile`` (at least
+    :data:`MIN_CHUNK`)."""
+    c = MIN_CHUNK
+    while D % (2 * c) == 0 and rows * 2 * c <= tile:
+        c *= 2
+    return c
+
+
+def _partials_kernel(*refs, hc: int, M: int, rows: int, bt: int, ch: int, with_post: bool):
+    if with_post:
+        y_ref, res_ref, post_ref, comb_ref, pre_ref, fn_ref, x_out, h_out, p_out = refs
+    else:
+        x_ref, pre_ref, fn_ref, h_out, p_out = refs
+    r = pl.program_id(1) * bt + jnp.arange(bt)
+    rmask = r < rows
+    mask = jnp.broadcast_to(rmask[:, None], (bt, ch))
+
+    def col(ref, k):                                   # [bt] column k of a [T, K] block
+        return pltr.load(ref.at[:, np.int32(k)], mask=rmask, other=0.0)
+
+    def stream(ref, i):                                # [bt, ch] fp32 of stream i
+        return pltr.load(ref.at[:, np.int32(i), :], mask=mask, other=0.0).astype(F32)
+
+    if with_post:                                      # hc_post's formula and order
+        y = pltr.load(y_ref, mask=mask, other=0.0).astype(F32)
+        res = [stream(res_ref, i) for i in range(hc)]
+        xs = []
+        for j in range(hc):
+            mixed = col(comb_ref, j)[:, None] * res[0]
+            for i in range(1, hc):
+                mixed = mixed + col(comb_ref, i * hc + j)[:, None] * res[i]
+            xj = (col(post_ref, j)[:, None] * y + mixed).astype(BF16)
+            pltr.store(x_out.at[:, np.int32(j), :], xj, mask=mask)
+            xs.append(xj.astype(F32))
+    else:
+        xs = [stream(x_ref, j) for j in range(hc)]
+
+    h = col(pre_ref, 0)[:, None] * xs[0]               # hc_pre's formula and order
+    for j in range(1, hc):
+        h = h + col(pre_ref, j)[:, None] * xs[j]
+    hb = h.astype(BF16)
+    pltr.store(h_out, hb, mask=mask)
+    hf = hb.astype(F32)
+
+    for m in range(M):
+        acc = None
+        for c in range(hc):
+            w = fn_ref[np.int32(m), np.int32(c), :]
+            part = jnp.sum(xs[c] * w[None, :], axis=1)
+            acc = part if acc is None else acc + part
+        pltr.store(p_out.at[np.int32(m), :], acc, mask=rmask)
+    x2 = None
+    for c in range(hc):
+        part = jnp.sum(xs[c] * xs[c], axis=1)
+        x2 = part if x2 is None else x2 + part
+    pltr.store(p_out.at[np.int32(M), :], x2, mask=rmask)
+    pltr.store(p_out.at[np.int32(M + 1), :], jnp.sum(hf * hf, axis=1), mask=rmask)
+
+
+def _finish_kernel(p_ref, h_ref, w_ref, scale_ref, base_ref, in_out, pre_out, post_out,
+                   comb_out, *, hc: int, M: int, n_chunks: int, rows: int, bt: int, D: int,
+                   iters: int, hc_eps: float, norm_eps: float, interpret: bool):
+    r = pl.program_id(0) * bt + jnp.arange(bt)
+    rmask = r < rows
+    dc = h_ref.shape[1]
+    mask = jnp.broadcast_to(rmask[:, None], (bt, dc))
+
+    def total(k):                                      # partial column k summed over chunks
+        first = pltr.load(p_ref.at[np.int32(0), np.int32(k), :], mask=rmask, other=0.0)
+        return jax.lax.fori_loop(
+            1, n_chunks,
+            lambda i, a: a + pltr.load(p_ref.at[i, np.int32(k), :], mask=rmask, other=0.0),
+            first)
+
+    def mean(s, n):                                    # s / n, IEEE
+        return divide([s], jnp.full_like(s, float(n)), interpret)[0]
+
+    rs = jax.lax.rsqrt(mean(total(M + 1), D) + norm_eps)
+    hf = pltr.load(h_ref, mask=mask, other=0.0).astype(F32)
+    w = w_ref[...].astype(F32)
+    pltr.store(in_out, (w[None, :] * (hf * rs[:, None])).astype(BF16), mask=mask)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _split():
+        rx = jax.lax.rsqrt(mean(total(M), hc * D) + norm_eps)
+        m = [total(k) * rx for k in range(M)]
+        s = [scale_ref[np.int32(i)] for i in range(3)]
+        b = [base_ref[np.int32(k)] for k in range(M)]
+        for j in range(hc):
+            pltr.store(pre_out.at[:, np.int32(j)],
+                       jax.nn.sigmoid(m[j] * s[0] + b[j]) + hc_eps, mask=rmask)
+            pltr.store(post_out.at[:, np.int32(j)],
+                       2.0 * jax.nn.sigmoid(m[hc + j] * s[1] + b[hc + j]), mask=rmask)
+        c = [m[2 * hc + k] * s[2] + b[2 * hc + k] for k in range(hc * hc)]
+        for i in range(hc):                            # row softmax + eps
+            row = c[i * hc:(i + 1) * hc]
+            mx = row[0]
+            for v in row[1:]:
+                mx = jnp.maximum(mx, v)
+            e = [jnp.exp(v - mx) for v in row]
+            tot = e[0]
+            for v in e[1:]:
+                tot = tot + v
+            c[i * hc:(i + 1) * hc] = [q + hc_eps for q in divide(e, tot, interpret)]
+        for j in range(hc):                            # column normalisation
+            tot = c[j]
+            for i in range(1, hc):
+                tot = tot + c[i * hc + j]
+            c[j::hc] = divide(c[j::hc], tot + hc_eps, interpret)
+        c = run_pairs(tuple(c), hc=hc, pairs=iters - 1, eps=hc_eps, interpret=interpret)
+        for k in range(hc * hc):
+            pltr.store(comb_out.at[:, np.int32(k)], c[k], mask=rmask)
+
+
+@functools.partial(jax.jit, static_argnames=("hc", "interpret"))
+def partials(streams, pre_prev, fn, *, hc: int, interpret: bool = False):
+    """The first kernel: ``([X bf16 [T, hc, D] if streams is a tuple,] h bf16 [T, D],
+    partials fp32 [D / chunk, M + 2, T])``, a chunk's ``M`` mixes dot products, ``sum f32(X)^2``
+    and ``sum f32(h)^2`` (the module docstring)."""
+    with_post = isinstance(streams, tuple)
+    x = streams[1] if with_post else streams
+    *batch, _, D = x.shape
+    T = int(np.prod(batch))
+    M = (2 + hc) * hc
+    bt = block_rows(T)
+    ch = chunk(D, bt)
+    n_chunks = D // ch
+    n_rows = pl.cdiv(T, bt)
+    row_spec = lambda k: pl.BlockSpec((bt, k), lambda i, t: (t, 0))  # noqa: E731
+    stream_spec = pl.BlockSpec((bt, hc, ch), lambda i, t: (t, 0, i))
+    if with_post:
+        y, res, post, comb = streams
+        ins = [y.reshape(T, D), res.reshape(T, hc, D), post.reshape(T, hc),
+               comb.reshape(T, hc * hc)]
+        in_specs = [pl.BlockSpec((bt, ch), lambda i, t: (t, i)), stream_spec, row_spec(hc),
+                    row_spec(hc * hc)]
+        out_shape = [jax.ShapeDtypeStruct((T, hc, D), BF16)]
+        out_specs = [stream_spec]
+    else:
+        ins, in_specs, out_shape, out_specs = [x.reshape(T, hc, D)], [stream_spec], [], []
+    ins += [pre_prev.reshape(T, hc), fn.reshape(M, hc, D)]
+    in_specs += [row_spec(hc), pl.BlockSpec((M, hc, ch), lambda i, t: (0, 0, i))]
+    out_shape += [jax.ShapeDtypeStruct((T, D), BF16),
+                  jax.ShapeDtypeStruct((n_chunks, M + 2, T), F32)]
+    out_specs += [pl.BlockSpec((bt, ch), lambda i, t: (t, i)),
+                  pl.BlockSpec((None, M + 2, bt), lambda i, t: (i, 0, t))]
+    return pl.pallas_call(
+        functools.partial(_partials_kernel, hc=hc, M=M, rows=T, bt=bt, ch=ch,
+                          with_post=with_post),
+        grid=(n_chunks, n_rows), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="mhc_glue_partials",
+    )(*ins)
+
+
+@functools.partial(jax.jit, static_argnames=("hc", "iters", "hc_eps", "norm_eps", "interpret"))
+def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, iters: int,
+                  hc_eps: float, norm_eps: float, interpret: bool = False):
+    """See :func:`pallas_kernels.mhc.sublayer_glue` (arguments checked there)."""
+    x = streams[1] if isinstance(streams, tuple) else streams
+    *batch, _, D = x.shape
+    T = int(np.prod(batch))
+    M = (2 + hc) * hc
+    bt = block_rows(T)
+    n_chunks, n_rows = D // chunk(D, bt), pl.cdiv(T, bt)
+    outs = partials(streams, pre_prev, fn, hc=hc, interpret=interpret)
+    X = outs[0].reshape(x.shape) if isinstance(streams, tuple) else x
+    h, parts = outs[-2:]
+
+    dc = chunk(D, bt, NORM_TILE)
+    x_in, pre, post, comb = pl.pallas_call(
+        functools.partial(_finish_kernel, hc=hc, M=M, n_chunks=n_chunks, rows=T, bt=bt, D=D,
+                          iters=iters, hc_eps=float(hc_eps), norm_eps=float(norm_eps),
+                          interpret=interpret),
+        grid=(n_rows, D // dc),
+        in_specs=[pl.BlockSpec((n_chunks, M + 2, bt), lambda t, d: (0, 0, t)),
+                  pl.BlockSpec((bt, dc), lambda t, d: (t, d)),
+                  pl.BlockSpec((dc,), lambda t, d: (d,)),
+                  pl.BlockSpec((3,), lambda t, d: (0,)),
+                  pl.BlockSpec((M,), lambda t, d: (0,))],
+        out_specs=[pl.BlockSpec((bt, dc), lambda t, d: (t, d)),
+                   pl.BlockSpec((bt, hc), lambda t, d: (t, 0)),
+                   pl.BlockSpec((bt, hc), lambda t, d: (t, 0)),
+                   pl.BlockSpec((bt, hc * hc), lambda t, d: (t, 0))],
+        out_shape=[jax.ShapeDtypeStruct((T, D), BF16), jax.ShapeDtypeStruct((T, hc), F32),
+                   jax.ShapeDtypeStruct((T, hc), F32),
+                   jax.ShapeDtypeStruct((T, hc * hc), F32)],
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="mhc_glue_finish",
+    )(parts, h, norm_weight, scale, base)
+    return (X, x_in.reshape(*batch, D), pre.reshape(*batch, hc), post.reshape(*batch, hc),
+            comb.reshape(*batch, hc, hc))

@@ -1,0 +1,262 @@
+"""mHC's sublayer glue (:mod:`pallas_kernels.mhc`): the two Triton kernels in interpret mode
+against the jnp reference, their build for an H200, the refusals, and a decode step running
+them."""
+
+from __future__ import annotations
+
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv41_jax  # noqa: F401  (XLA numerics flag before JAX starts)
+from gpu_export_util import h200_export
+from pallas_kernels import impls, mhc
+from pallas_kernels.mhc import triton as mhc_triton
+
+HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+KW = dict(hc=HC, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+BF16_ULP = 2.0 ** -7          # one bf16 ulp, relative (8 significand bits)
+
+
+def _inputs(T: int, D: int, seed: int = 0):
+    """``(X, (y, res, post, comb), pre_prev, fn, scale, base, w)`` of ``T`` rows as
+    ``[T, 1, ...]`` (batch, sequence), with the magnitudes of a trained model's."""
+    rng = np.random.default_rng(seed)
+    M = (2 + HC) * HC
+    X = jnp.asarray(rng.normal(0, 1, (T, 1, HC, D)), jnp.bfloat16)
+    y = jnp.asarray(rng.normal(0, 1, (T, 1, D)), jnp.bfloat16)
+    post = jnp.asarray(rng.uniform(0, 2, (T, 1, HC)), jnp.float32)
+    comb = jnp.asarray(rng.uniform(0, 1, (T, 1, HC, HC)), jnp.float32)
+    pre = jnp.asarray(rng.uniform(0, 1, (T, 1, HC)), jnp.float32)
+    fn = jnp.asarray(rng.normal(0, 0.05, (M, HC * D)), jnp.float32)
+    scale = jnp.asarray([0.9, 1.1, 1.3], jnp.float32)
+    base = jnp.asarray(rng.normal(0, 0.5, M), jnp.float32)
+    w = jnp.asarray(rng.normal(1, 0.1, D), jnp.bfloat16)
+    return X, (y, X, post, comb), pre, fn, scale, base, w
+
+
+_xla = jax.jit(lambda *a: mhc.sublayer_glue(*a, impl="xla", **KW))
+
+
+def _f32(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def _bf16_ulps(a) -> np.ndarray:
+    """bf16 values as integers in ulp order (adjacent bf16 values differ by 1)."""
+    b = np.asarray(jnp.asarray(a).astype(jnp.bfloat16)).view(np.uint16).astype(np.int32)
+    return np.where(b & 0x8000, 0x8000 - b, b)
+
+
+def _assert_bf16_close(got, want, name, scale=4.0):
+    """Equal for at least 99.9% of the elements; otherwise one bf16 ulp apart, or (a sum that
+    cancels, whose fp32 terms of magnitude ``scale`` were rounded in another order) within a
+    few fp32 ulps of ``scale``."""
+    d = np.abs(_bf16_ulps(got) - _bf16_ulps(want))
+    close = (d <= 1) | (np.abs(_f32(got) - _f32(want)) <= 2.0 ** -21 * scale)
+    assert close.all() and (d == 0).mean() >= 0.999, (name, d.max(), (d == 0).mean())
+
+
+@pytest.mark.parametrize("D", [64, 128, 2048])
+@pytest.mark.parametrize("T", [1, 3, 16, 40])
+@pytest.mark.parametrize("with_post", [False, True])
+def test_interpret_matches_reference(T, D, with_post):
+    """``X`` and ``input`` within one bf16 ulp of the (jitted) reference and bitwise equal in at
+    least 99.9% of the elements (XLA's CPU fusions contract some of hc_post's products and sums
+    into FMAs, differently in the kernel's and the reference's programs); the coefficients,
+    compared with the reference run on the kernel's ``X``, within a few fp32 ulps (the mixes'
+    sums over ``D`` run in chunks; the Sinkhorn amplifies ulp differences a few times)."""
+    X, st, pre_prev, fn, scale, base, w = _inputs(T, D, seed=T + D)
+    streams = st if with_post else X
+    got = mhc.sublayer_glue(streams, pre_prev, fn, scale, base, w, impl="gpu_interpret", **KW)
+    want = _xla(streams, pre_prev, fn, scale, base, w)
+    assert [a.shape for a in got] == [a.shape for a in want]
+    assert [a.dtype for a in got] == [a.dtype for a in want]
+    if with_post:
+        _assert_bf16_close(got[0], want[0], "X")
+    else:
+        np.testing.assert_array_equal(_f32(got[0]), _f32(X))
+    # the head and the norm on the same X: only the summation order differs
+    same_x = _xla(got[0], pre_prev, fn, scale, base, w)
+    _assert_bf16_close(got[1], same_x[1], "input")
+    # the mixes' dot products (summed partials): within 2 ulps of the sum of |terms|
+    parts = mhc_triton.partials(streams, pre_prev, fn, hc=HC, interpret=True)[-1]
+    xf = _f32(got[0]).reshape(T, HC * D).astype(np.float64)
+    exact = xf @ np.asarray(fn, np.float64).T
+    bound = np.abs(xf) @ np.abs(np.asarray(fn, np.float64)).T
+    total = np.asarray(parts).sum(0)                   # [M + 2, T]
+    assert (np.abs(total[:-2].T - exact) <= 2 * 2.0 ** -24 * bound).all()
+    x2 = total[-2]
+    np.testing.assert_allclose(x2, (xf * xf).sum(-1), rtol=2e-6, atol=0)
+    # pre, post, comb in [0, 2]: absolute tolerances (a sigmoid near 0 or a Sinkhorn turns the
+    # mixes' ulps into larger relative ones)
+    # pre, post, comb in [0, 2]: absolute tolerances of what 4 fp32 ulps of the largest mix
+    # (times scale) give after a sigmoid, or the softmax and the Sinkhorn (derivatives < 2)
+    mix_max = np.abs(exact).max() / np.sqrt((xf * xf).mean(-1)).min()
+    for name, a, b in zip(("pre", "post", "comb"), got[2:], same_x[2:]):
+        err = np.abs(_f32(a) - _f32(b)).max()
+        assert err <= 2 * 1.3 * 4 * 2.0 ** -24 * mix_max + 2.0 ** -23, (name, err)
+
+
+def test_hc_post_and_pre_in_the_formula_order():
+    """With products exact (dyadic inputs) no FMA contraction can change a result: ``X`` and
+    ``input`` equal the reference bit for bit, on two blocks of rows (T = 70, the second
+    ragged) and the last row's values processed."""
+    T, D = 70, 128
+    rng = np.random.default_rng(1)
+    X, (y, _, _, _), _, fn, scale, base, w = _inputs(T, D, seed=1)
+    post = jnp.asarray(rng.integers(0, 9, (T, 1, HC)) / 4, jnp.float32)
+    comb = jnp.asarray(rng.integers(0, 9, (T, 1, HC, HC)) / 8, jnp.float32)
+    pre = jnp.asarray(rng.integers(0, 9, (T, 1, HC)) / 8, jnp.float32)
+    st = (y, X, post, comb)
+    got = mhc.sublayer_glue(st, pre, fn, scale, base, w, impl="gpu_interpret", **KW)
+    want = _xla(st, pre, fn, scale, base, w)
+    np.testing.assert_array_equal(_f32(got[0]), _f32(want[0]))
+    _assert_bf16_close(got[1], want[1], "input")
+    np.testing.assert_allclose(_f32(got[4]), _f32(want[4]), rtol=0, atol=2e-5)
+    assert mhc_triton.block_rows(T) == 64 and np.abs(_f32(got[1])[-1]).sum() > 0
+
+
+def test_block_sizes():
+    assert [mhc_triton.block_rows(T) for T in (1, 16, 17, 40, 64, 65, 4096)] == [
+        16, 16, 32, 64, 64, 64, 64]
+    assert mhc_triton.chunk(5120, 16) == 128 and mhc_triton.chunk(5120, 64) == 64
+    assert mhc_triton.chunk(64, 16) == 64 and mhc_triton.chunk(2048, 32) == 64
+    assert mhc_triton.chunk(5120, 16, mhc_triton.NORM_TILE) == 256
+
+
+def test_refusals():
+    X, (y, res, post, comb), pre, fn, scale, base, w = _inputs(2, 64)
+    glue = lambda *a, **k: mhc.sublayer_glue(*a, **{**KW, **k})  # noqa: E731
+    cases = [
+        ((X.astype(jnp.float32), pre, fn, scale, base, w), "X must be bfloat16"),
+        ((X[..., :3, :], pre, fn, scale, base, w), r"X must have shape"),
+        ((X[0, 0], pre, fn, scale, base, w), r"X must be \[\*batch, hc, D\]"),
+        (((y, res, post), pre, fn, scale, base, w), "streams must be X or"),
+        (((y[..., :32], res, post, comb), pre, fn, scale, base, w), "y must have shape"),
+        (((y, res, post.astype(jnp.bfloat16), comb), pre, fn, scale, base, w),
+         "post must be float32"),
+        (((y, res, post, comb[..., :2]), pre, fn, scale, base, w), "comb must have shape"),
+        ((X, pre[..., :2], fn, scale, base, w), "pre_prev must have shape"),
+        ((X, pre, fn[:20], scale, base, w), "fn must have shape"),
+        ((X, pre, fn.astype(jnp.bfloat16), scale, base, w), "fn must be float32"),
+        ((X, pre, fn, scale[:2], base, w), "scale must have shape"),
+        ((X, pre, fn, scale, base[:5], w), "base must have shape"),
+        ((X, pre, fn, scale, base, w[:32]), "norm_weight must have shape"),
+        ((X, pre, fn, scale, base, w.astype(jnp.float16)), "norm_weight must be"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            glue(*args)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        glue(X, pre, fn, scale, base, w, impl="triton_x")
+    with pytest.raises(ValueError, match="iters must be >= 1"):
+        glue(X, pre, fn, scale, base, w, iters=0)
+    X2, _, pre2, fn2, scale2, base2, w2 = _inputs(1, 96)
+    with pytest.raises(ValueError, match="D a multiple of 64"):
+        glue(X2, pre2, fn2, scale2, base2, w2, impl="gpu")
+
+
+def test_auto_dispatch():
+    """``"auto"``: XLA on a CPU; on a GPU the kernels up to MAX_ROWS rows, XLA above; by
+    default (MAX_ROWS 0, until timed on the H200) XLA at every size."""
+    X, _, pre, fn, scale, base, w = _inputs(3, 64)
+    assert mhc.MAX_ROWS == 0
+    with mock.patch.object(mhc.triton, "sublayer_glue", side_effect=RuntimeError("kernel")):
+        mhc.sublayer_glue(X, pre, fn, scale, base, w, **KW)
+        with mock.patch.object(impls, "on_gpu", lambda backend=None: True):
+            mhc.sublayer_glue(X, pre, fn, scale, base, w,                # off by default
+                              **{**KW, "iters": 1})
+            with mock.patch.object(mhc, "MAX_ROWS", 64):
+                with pytest.raises(RuntimeError, match="kernel"):
+                    mhc.sublayer_glue(X, pre, fn, scale, base, w, **KW)
+                X, _, pre, fn, scale, base, w = _inputs(mhc.MAX_ROWS + 1, 64)
+                mhc.sublayer_glue(X, pre, fn, scale, base, w, impl="auto",
+                                  **{**KW, "iters": 1})
+
+
+def _count(text: str) -> dict:
+    return {"triton": text.count("__gpu$xla.gpu.triton"),
+            **{op: text.count(op) for op in ("stablehlo.pad", "dynamic_update_slice",
+                                              "scatter", "stablehlo.concatenate")}}
+
+
+@pytest.mark.parametrize("T, D", [(1, 5120), (64, 5120), (40, 2048), (100, 64)])
+@pytest.mark.parametrize("with_post", [False, True])
+def test_kernels_lower_for_h200(T, D, with_post):
+    """The glue is exactly two Triton calls: no pad, scatter, concatenate or
+    dynamic_update_slice around them (ragged row blocks masked in the kernels)."""
+    X, st, pre, fn, scale, base, w = _inputs(T, D)
+    ex = h200_export(lambda *a: mhc_triton.sublayer_glue(*a, **KW),
+                     st if with_post else X, pre, fn, scale, base, w)
+    text = ex.mlir_module()
+    assert _count(text) == {"triton": 2, "stablehlo.pad": 0, "dynamic_update_slice": 0,
+                            "scatter": 0, "stablehlo.concatenate": 0}
+    names = re.findall(r'name = "([a-z0-9_]+)"', text)
+    assert "mhc_glue_partials" in names and "mhc_glue_finish" in names
+    assert [a.shape for a in ex.out_avals] == [(T, 1, HC, D), (T, 1, D), (T, 1, HC),
+                                               (T, 1, HC), (T, 1, HC, HC)]
+
+
+def _tiny_decode():
+    from benchmarks.config import e2e_config
+    from dsv41_jax import model, state as st
+    from dsv41_jax.random_weights import random_params_device
+    cfg, _ = e2e_config("tiny")
+    p = model.prepare_params(random_params_device(cfg, 0), cfg)
+    return cfg, p, st.init_state(cfg, 2, 64), model.decode_fn(cfg, attn_impl="xla")
+
+
+from dsv41_jax import model  # noqa: E402
+
+
+def test_decode_step_runs_the_kernels_on_a_gpu():
+    """Built for an H200, a decode step runs both sublayers' glue of every block in the
+    kernels (the op counts are printed for the record)."""
+    cfg, p, state, _ = _tiny_decode()
+    tokens = jnp.zeros((2,), jnp.int32)
+    counts = {}
+    for on in (False, True):
+        jax.clear_caches()                             # no trace of the other setting reused
+        step = model.decode_fn(cfg, attn_impl="xla")
+        with mock.patch.object(impls, "on_gpu", lambda backend=None: True), \
+                mock.patch.object(mhc, "MAX_ROWS", 64 if on else 0):
+            text = h200_export(step, p, state, tokens).mlir_module()
+        names = re.findall(r'name = "([a-z0-9_]+)"', text)
+        counts[on] = (text.count("__gpu$xla.gpu.triton"), len(re.findall(r"= stablehlo\.", text)),
+                      names.count("mhc_glue_partials"), names.count("mhc_glue_finish"),
+                      names.count("sinkhorn_pairs"))
+    print("decode step (triton calls, stablehlo ops, partials, finish, sinkhorn):", counts)
+    # each kernel defined once per variant (with / without hc_post), called from the layers'
+    # scan bodies; the Sinkhorn pairs now run inside the finishing kernel
+    assert counts[False][2:] == (0, 0, 1)
+    assert counts[True][2:] == (2, 2, 0)
+    assert counts[True][0] == counts[False][0] - 1 + 4
+    assert counts[True][1] < counts[False][1]
+
+
+def test_decode_step_in_interpret_mode_matches_xla():
+    """A decode step with the glue in interpret mode (the GPU path, "gpu" -> "gpu_interpret")
+    gives the XLA path's logits within a tight tolerance, the same argmax."""
+    cfg, p, state, step = _tiny_decode()
+    tokens = jnp.asarray([3, 7], jnp.int32)
+    want = np.asarray(jax.jit(step)(p, state, tokens)[0])
+    real, _finish = mhc.sublayer_glue, mhc.triton._finish_kernel
+
+    def interpret(*a, impl="auto", **k):
+        return real(*a, impl="gpu_interpret", **k)
+
+    jax.clear_caches()
+    calls = []
+    with mock.patch.object(mhc, "sublayer_glue", interpret), \
+            mock.patch.object(mhc.triton, "_finish_kernel",
+                              side_effect=lambda *a, **k: calls.append(1)
+                              or _finish(*a, **k)):
+        got = np.asarray(jax.jit(model.decode_fn(cfg, attn_impl="xla"))(p, state, tokens)[0])
+    assert calls                                       # the kernels ran
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).all()
