@@ -1048,14 +1048,18 @@ def moe_cells(rec: dict) -> list[str]:
 
     def num(v, f):
         return "" if v is None else f.format(v)
-    op = rec.get("op_us")
-    return [name, f"{rec['pairs']:,} ({rec['experts_hit']})",
+    op, hit = rec.get("op_us"), rec.get("experts_hit")
+    return [name, f"{rec['pairs']:,}" + ("" if hit is None else f" ({hit})"),
             _fmt_us(op) if op is not None else "no kernel: " + rec.get("kernel_none", "")[:40],
             num(rec.get("tflops"), "{:.3g}"), num(rec.get("weights_TBps"), "{:.3g}"),
-            _fmt_us(rec["xla_us"]) if rec.get("xla_us") is not None else "skipped (memory)",
+            _fmt_us(rec["xla_us"]) if rec.get("xla_us") is not None else
+            "skipped (memory)" if "xla_none" in rec else "",
             _fmt_x(rec.get("x_xla")),
-            _fmt_us(rec["dense_us"]) if rec.get("dense_us") is not None else "skipped (time)",
-            _fmt_x(rec.get("x_dense")), _fmt_us(rec["floor_us"]), _fmt_x(rec.get("x_floor"))]
+            _fmt_us(rec["dense_us"]) if rec.get("dense_us") is not None else
+            "skipped (" + ("memory" if "working set" in rec["dense_none"] else "time") + ")"
+            if "dense_none" in rec else "",
+            _fmt_x(rec.get("x_dense")), _fmt_us(rec.get("floor_us")),
+            _fmt_x(rec.get("x_floor"))]
 
 
 def moe_table(rows: list[dict], roof: dict | None = None) -> str:

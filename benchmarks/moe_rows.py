@@ -11,7 +11,8 @@ inputs (:func:`benchmarks.grouped_matmul.make_inputs`) and timing
 * **kernel**: :func:`pallas_kernels.grouped_matmul.grouped_matmul` with ``impl="gpu"`` (the
   Mosaic GPU kernel with its padded layout's gather and un-padding) on an NVIDIA GPU; on other
   platforms ``"gpu_interpret"`` for the ``tiny`` shapes only (seconds on a CPU; its times say
-  nothing about the GPU) and no kernel (null times, ``kernel_none`` says why) for the others;
+  nothing about the GPU) and for the others nothing (null times and ratios, ``kernel_none``
+  says why: XLA and the dense scan are not run either, there being no kernel to compare);
 * **XLA**: :func:`pallas_kernels.grouped_matmul.reference.fp4_grouped_matmul` (dequantise all
   experts to bf16, ``lax.ragged_dot``), skipped where its dense fallback's ``[pairs, experts,
   K]`` mask would pass ``XLA_MAX_BYTES`` (null, ``xla_none``);
@@ -21,8 +22,10 @@ inputs (:func:`benchmarks.grouped_matmul.make_inputs`) and timing
   experts it is not routed to) into an fp32 ``[tokens, N]`` sum: ``2 x experts x tokens x N x
   K`` FLOPs. Skipped (null, ``dense_none``) where its roofline time (those FLOPs at the
   run's bf16 matmul rate, or its experts' FP4 bytes at the copy bandwidth, whichever is
-  longer) passes ``--moe-dense-max-s`` (default 1 s a call: on an H200 the scan runs at
-  batch 1-64, not at 256 tokens or more, which would take 3 s to 4 min a call).
+  longer) passes ``--moe-dense-max-s`` (default 1 s a call: at the H200's ~700 TFLOP/s every
+  default row runs, the longest, 64K tokens, at about 0.85 s a call; on a slower device the
+  prefill-sized rows are skipped), or where its fp32 ``[tokens, N]`` sum and product and its
+  ``[tokens, experts]`` routing weights would pass ``DENSE_MAX_BYTES``.
 
 Times are device times (the trace's device streams, per call, mean of ``calls`` calls after
 one that compiles: ``dsv41-bench-e2e`` makes 5 on a GPU, 2 on a CPU, where a call of the
@@ -52,6 +55,9 @@ TINY_ROWS = ("tiny w1 b1", "tiny w1 b8", "tiny w2 b8")
 #: Default ``--moe-dense-max-s``: the dense scan runs only where its roofline time per call is
 #: at most this many seconds.
 DENSE_MAX_S = 1.0
+#: The dense scan's largest working set (its fp32 sum and product, the tokens' rows, the
+#: routing weights), bytes.
+DENSE_MAX_BYTES = 16 << 30
 
 
 def parse_rows(text: str) -> list[str]:
@@ -103,6 +109,12 @@ def dense_estimate_s(E: int, N: int, K: int, tokens: int, roof: dict) -> float:
                gmb.expert_bytes(E, N, K) / (roof["copy_GBps"] * 1e9))
 
 
+def dense_bytes(E: int, N: int, K: int, tokens: int) -> int:
+    """The dense scan's working set in bytes: fp32 ``[T, N]`` sum and product, bf16 ``[T, K]``
+    rows, fp32 ``[T, E]`` routing weights."""
+    return tokens * (2 * 4 * N + 2 * K + 4 * E)
+
+
 def _time(t: dict) -> float:
     return t["device_us"] if t["device_us"] is not None else t["wall_us"]
 
@@ -129,9 +141,17 @@ def moe_row(name: str, roof: dict, seed: int = 0, dense_max_s: float = DENSE_MAX
     bandwidth) with ``x_floor`` = ``op_us / floor_us`` and the roofline fractions
     ``flops_frac`` (TFLOP/s over the matmul rate) and ``bw_frac`` (weight bytes per second
     over the copy bandwidth), and the errors of the kernel against XLA and of the kernel's
-    (or XLA's) weighted pair sums against the dense scan (``max_err``, ``dense_max_err``:
+    weighted pair sums against the dense scan (``max_err``, ``dense_max_err``:
     largest difference over the largest value)."""
     E, N, K, tokens = gmb.parse_row(name)
+    impl = kernel_impl(name)
+    if impl is None:
+        return {"kind": "moe", "name": name, "experts": E, "N": N, "K": K, "tokens": tokens,
+                "pairs": tokens * min(gmb.TOP_K, E), "experts_hit": None, "kernel_impl": None,
+                "kernel_none": f"no GPU ({jax.default_backend()}): the Mosaic GPU kernel runs "
+                               "in interpret mode off the GPU for the tiny shapes only",
+                **dict.fromkeys(("time_basis", "op_us", "kernel_us", "xla_us", "dense_us",
+                                 "x_xla", "x_dense", "x_floor"))}
     inp = gmb.make_inputs(E, N, K, tokens, seed)
     codes, scale, gs, x, x_tok = (inp[k] for k in ("codes", "scale", "group_sizes", "x",
                                                    "x_tok"))
@@ -146,35 +166,26 @@ def moe_row(name: str, roof: dict, seed: int = 0, dense_max_s: float = DENSE_MAX
            "roof_GBps": roof["copy_GBps"], "floor_us": floor_us,
            "floor_basis": "max(FLOPs / bf16 matmul rate, expert weight bytes / copy bandwidth)"}
     outs = {}
-    impl = kernel_impl(name)
     rec["kernel_impl"] = impl
-    op_us = None
-    if impl is None:
-        rec["kernel_none"] = (f"no GPU ({jax.default_backend()}): the Mosaic GPU kernel runs "
-                              "in interpret mode off the GPU for the tiny shapes only")
-        rec.update(dict.fromkeys(("time_basis", "op_us", "kernel_us", "tflops", "weights_TBps",
-                                  "kernel_tflops", "kernel_weights_TBps", "x_floor",
-                                  "flops_frac", "bw_frac")))
-    else:
-        w = jax.jit(gm.prepare_experts)(codes, scale)
-        kernel = jax.jit(lambda x, w, gs: gm.grouped_matmul(x, w, gs, impl=impl))
-        t0 = time.perf_counter()
-        outs["kernel"] = jax.block_until_ready(kernel(x, w, gs))
-        rec["first_call_s"] = time.perf_counter() - t0
-        t = gmb.op_times(kernel, (x, w, gs), calls)
-        op_us = _time(t)
-        kern = gmb.kernel_us(t["kernels"]) if t["device_us"] is not None else None
-        rec.update(time_basis="device" if t["device_us"] is not None else "wall",
-                   op_us=op_us, kernel_us=kern or None,
-                   tflops=flops / op_us / 1e6, weights_TBps=weight_bytes / op_us / 1e6,
-                   kernel_tflops=flops / kern / 1e6 if kern else None,
-                   kernel_weights_TBps=weight_bytes / kern / 1e6 if kern else None,
-                   x_floor=op_us / floor_us,
-                   flops_frac=flops / (op_us * 1e-6) / rate,
-                   bw_frac=weight_bytes / (op_us * 1e-6) / bw,
-                   kernels=[{"name": k["name"][:60], "us": k["us_per_op"]}
-                            for k in t["kernels"][:5]])
-        del w
+    w = jax.jit(gm.prepare_experts)(codes, scale)
+    kernel = jax.jit(lambda x, w, gs: gm.grouped_matmul(x, w, gs, impl=impl))
+    t0 = time.perf_counter()
+    outs["kernel"] = jax.block_until_ready(kernel(x, w, gs))
+    rec["first_call_s"] = time.perf_counter() - t0
+    t = gmb.op_times(kernel, (x, w, gs), calls)
+    op_us = _time(t)
+    kern = gmb.kernel_us(t["kernels"]) if t["device_us"] is not None else None
+    rec.update(time_basis="device" if t["device_us"] is not None else "wall",
+               op_us=op_us, kernel_us=kern or None,
+               tflops=flops / op_us / 1e6, weights_TBps=weight_bytes / op_us / 1e6,
+               kernel_tflops=flops / kern / 1e6 if kern else None,
+               kernel_weights_TBps=weight_bytes / kern / 1e6 if kern else None,
+               x_floor=op_us / floor_us,
+               flops_frac=flops / (op_us * 1e-6) / rate,
+               bw_frac=weight_bytes / (op_us * 1e-6) / bw,
+               kernels=[{"name": k["name"][:60], "us": k["us_per_op"]}
+                        for k in t["kernels"][:5]])
+    del w
     if P * E * K * 2 <= xla_max_bytes:
         xla = jax.jit(reference.fp4_grouped_matmul)
         outs["xla"] = jax.block_until_ready(xla(x, codes, scale, gs))
@@ -188,7 +199,11 @@ def moe_row(name: str, roof: dict, seed: int = 0, dense_max_s: float = DENSE_MAX
                                          f"{xla_max_bytes / 1e9:.0f} GB")
     est = dense_estimate_s(E, N, K, tokens, roof)
     rec["dense_estimate_s"] = est
-    if est <= dense_max_s:
+    if dense_bytes(E, N, K, tokens) > DENSE_MAX_BYTES:
+        rec.update(dense_us=None, dense_none=f"its working set, "
+                                             f"{dense_bytes(E, N, K, tokens) / 1e9:.0f} GB, "
+                                             f"passes {DENSE_MAX_BYTES / 1e9:.0f} GB")
+    elif est <= dense_max_s:
         dense_w = np.zeros((tokens, E), np.float32)
         np.put_along_axis(dense_w, inp["idx"], inp["weights"], axis=1)
         dense_w = jnp.asarray(dense_w)
@@ -196,12 +211,11 @@ def moe_row(name: str, roof: dict, seed: int = 0, dense_max_s: float = DENSE_MAX
         want = jax.block_until_ready(dense(x_tok, codes, scale, dense_w))
         t = gmb.op_times(dense, (x_tok, codes, scale, dense_w), calls)
         rec["dense_us"] = _time(t)
-        y = outs.get("kernel", outs.get("xla"))
-        if y is not None:     # the pairs' products weighted and summed per token
-            pw = jnp.asarray(inp["weights"].ravel()[inp["order"]])
-            got = jnp.zeros((tokens, N), F32).at[jnp.asarray(inp["pair_token"])].add(
-                pw[:, None] * y.astype(F32))
-            rec["dense_max_err"] = float(_rel_err(got, want))
+        # the kernel's pair products weighted and summed per token
+        pw = jnp.asarray(inp["weights"].ravel()[inp["order"]])
+        got = jnp.zeros((tokens, N), F32).at[jnp.asarray(inp["pair_token"])].add(
+            pw[:, None] * outs["kernel"].astype(F32))
+        rec["dense_max_err"] = float(_rel_err(got, want))
         del want
     else:
         rec.update(dense_us=None, dense_none=f"its roofline time, {est:.3g} s a call, passes "
