@@ -35,6 +35,7 @@ interpret-mode kernel takes about 0.5 s) where the trace has them, else wall tim
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -126,6 +127,14 @@ def _rel_err(got, want):
     return jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-30)
 
 
+@functools.partial(jax.jit, static_argnames=("tokens",))
+def _pair_sums(y, pair_w, pair_token, tokens: int):
+    """The pairs' products ``y`` [P, N] times their routing weights, summed per token: fp32
+    [tokens, N] (one fused pass: no fp32 copy of ``y``)."""
+    return jnp.zeros((tokens, y.shape[1]), F32).at[pair_token].add(
+        pair_w[:, None] * y.astype(F32))
+
+
 def moe_row(name: str, roof: dict, seed: int = 0, dense_max_s: float = DENSE_MAX_S,
             xla_max_bytes: int = gmb.XLA_MAX_BYTES, calls: int = 5) -> dict:
     """Measure one MoE row (module docstring) against the roofline ``roof``
@@ -211,10 +220,8 @@ def moe_row(name: str, roof: dict, seed: int = 0, dense_max_s: float = DENSE_MAX
         want = jax.block_until_ready(dense(x_tok, codes, scale, dense_w))
         t = gmb.op_times(dense, (x_tok, codes, scale, dense_w), calls)
         rec["dense_us"] = _time(t)
-        # the kernel's pair products weighted and summed per token
-        pw = jnp.asarray(inp["weights"].ravel()[inp["order"]])
-        got = jnp.zeros((tokens, N), F32).at[jnp.asarray(inp["pair_token"])].add(
-            pw[:, None] * outs["kernel"].astype(F32))
+        got = _pair_sums(outs["kernel"], jnp.asarray(inp["weights"].ravel()[inp["order"]]),
+                         jnp.asarray(inp["pair_token"]), tokens)
         rec["dense_max_err"] = float(_rel_err(got, want))
         del want
     else:
