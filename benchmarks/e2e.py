@@ -12,7 +12,13 @@ Rows (each with its own static shapes; every row's first call compiles and is ti
   when ``dsv41_jax.generation.generate`` exists, the same number of tokens through that
   on-device loop (null otherwise).
 
-Per row: tokens/s, time, device time and kernel launches per call or step (a
+* **moe** ``--moe-rows`` (``--rows moe``; not in the default rows): the routed experts' FP4
+  grouped matmul at the release shapes (``"rel w1 b64"``: 384 experts, 5120 -> 2304, 64
+  tokens routed to 6 experts each) beside XLA's ``lax.ragged_dot`` and the dense scan, with
+  TFLOP/s, TB/s of expert weights read and the floor from the same run's roofline; no model
+  weights, one device (:mod:`benchmarks.moe_rows`, rendered as a table of their own).
+
+Per prefill or decode row: tokens/s, time, device time and kernel launches per call or step (a
 ``jax.profiler`` trace of further calls: the device streams' events), the first call minus the
 steady time (compilation, cold in this process), peak device memory (the process's peak up
 to the end of the row: JAX keeps no per-row peak), and beside them the floor: prefill =
@@ -32,6 +38,8 @@ with the same folder (warm).
     dsv41-bench-e2e                                   # mid config, every row (GPU; long)
     dsv41-bench-e2e --rows decode --contexts 4096 --batches 1 --budget-s 480
     dsv41-bench-e2e --tiny                            # CPU smoke test
+    dsv41-bench-e2e --rows moe --moe-rows "rel w1 b64,rel w1 16K"   # MoE rows (GPU)
+    dsv41-bench-e2e --tiny --rows moe                 # MoE rows, CPU smoke test
     dsv41-bench-e2e --render docs/results/h200_e2e.json   # the markdown table of a result file
 """
 
@@ -56,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import config as bench_config
+from benchmarks import moe_rows
 from benchmarks.timing import memory_stats, roofline, trace_profile, write_json, xla_compiles
 from dsv41_jax import compile_cache, generation, model, random_weights, sharding, state as st
 from dsv41_jax.cli.args import Parser, mesh_spec, nonnegative_int, positive_int, positive_ints
@@ -63,7 +72,7 @@ from dsv41_jax.config import LayerPlan, ModelConfig
 from pallas_kernels.impls import check_family
 
 GB = 1e9
-ROW_KINDS = ("prefill", "decode")
+ROW_KINDS = ("prefill", "decode", "moe")
 MODES = ("ced", "exact")
 FILLS = MODES + ("synthetic",)
 DEFAULT_OUT = os.path.join("docs", "results", "h200_e2e.json")
@@ -232,8 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true",
                     help="--config tiny with smoke-test sizes (64 tokens, batch 1, 3 steps)")
     ap.add_argument("--rows", default="prefill,decode",
-                    help="comma-separated row kinds: prefill, decode (default both); none: "
-                         "no rows (the peer and --compile-check only)")
+                    help="comma-separated row kinds: prefill, decode (default both), moe "
+                         "(the MoE rows, --moe-rows); none: no rows (the peer and "
+                         "--compile-check only)")
+    ap.add_argument("--moe-rows", default=None,
+                    help="MoE rows, comma-separated '<shape> <tokens>' with shape rel w1 "
+                         "(384 experts, 5120 -> 2304), rel w2 (2304 -> 5120), mid w1/w2, tiny "
+                         "w1/w2 and tokens b1, b8, b64, b256 (decode batch) or 1K-64K "
+                         "(default: rel w1 and rel w2 at b1, b8, b64, b256, 1K, 4K, 16K, 64K; "
+                         "--tiny: " + ", ".join(moe_rows.TINY_ROWS) + ")")
+    ap.add_argument("--moe-dense-max-s", type=float, default=moe_rows.DENSE_MAX_S,
+                    help="run a MoE row's dense scan only where its roofline time is at most "
+                         f"this many seconds a call (default {moe_rows.DENSE_MAX_S:g})")
     ap.add_argument("--lengths", type=positive_ints, default=None,
                     help="prefill lengths (default 4096,16384,65536)")
     ap.add_argument("--modes", default="ced,exact", help="prefill modes: ced, exact")
@@ -322,6 +341,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     elif not args.rows or bad:
         ap.error(f"argument --rows: {(bad or [''])[0]!r} is not one of "
                  f"{', '.join(ROW_KINDS)} (or none alone)")
+    try:
+        args.moe_rows = moe_rows.parse_rows(args.moe_rows if args.moe_rows is not None else
+                                            ",".join(moe_rows.TINY_ROWS if small
+                                                     else moe_rows.DEFAULT_ROWS))
+    except ValueError as e:
+        ap.error(f"argument --moe-rows: {e}")
+    if args.moe_dense_max_s < 0:
+        ap.error(f"argument --moe-dense-max-s: must be >= 0, got {args.moe_dense_max_s}")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         ap.error(f"argument --modes: {args.modes} is not a list of {', '.join(MODES)}")
@@ -352,8 +379,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.figure = None
     if args.no_peer:
         args.peer = None
-    elif args.peer is None:
-        args.peer = DEFAULT_PEER if os.path.isfile(DEFAULT_PEER) else None
+    elif args.peer is None:     # by default not for MoE rows alone: it has none of theirs
+        wants = not args.rows or {"prefill", "decode"} & set(args.rows)
+        args.peer = DEFAULT_PEER if os.path.isfile(DEFAULT_PEER) and wants else None
     elif not os.path.isfile(args.peer):
         ap.error(f"argument --peer: no such file: {args.peer}")
     args.cfg, args.release = bench_config.e2e_config(args.config)
@@ -868,7 +896,9 @@ def _k(n: int) -> str:
 
 
 def row_name(rec: dict, loop: bool = False) -> str:
-    """``prefill CED 4K`` / ``decode B=8, 32K`` (``, on-device loop``)."""
+    """``prefill CED 4K`` / ``decode B=8, 32K`` (``, on-device loop``) / ``moe rel w1 b64``."""
+    if rec["kind"] == "moe":
+        return f"moe {rec['name']}"
     if rec["kind"] == "prefill":
         return f"prefill {rec['mode'].upper() if rec['mode'] == 'ced' else rec['mode']} " \
                f"{_k(rec['length'])}"
@@ -878,7 +908,8 @@ def row_name(rec: dict, loop: bool = False) -> str:
 
 def planned_rows(args) -> list[dict]:
     """The rows of a run, in order: per length (prefill lengths and decode contexts, ascending)
-    its prefill rows (in ``--modes`` order), then its decode rows (ascending batch)."""
+    its prefill rows (in ``--modes`` order), then its decode rows (ascending batch); then the
+    MoE rows in ``--moe-rows`` order."""
     rows = []
     for n in sorted(set(args.lengths if "prefill" in args.rows else [])
                     | set(args.contexts if "decode" in args.rows else [])):
@@ -886,6 +917,8 @@ def planned_rows(args) -> list[dict]:
             rows += [{"kind": "prefill", "mode": m, "length": n} for m in args.modes]
         if "decode" in args.rows and n in args.contexts:
             rows += [{"kind": "decode", "batch": b, "context": n} for b in sorted(args.batches)]
+    if "moe" in args.rows:
+        rows += [{"kind": "moe", "name": n} for n in args.moe_rows]
     return rows
 
 
@@ -902,7 +935,9 @@ def _fmt_s(s: float | None) -> str:
 
 
 def _fmt_x(x: float | None) -> str:
-    return "" if x is None else f"{x:.1f}x" if x >= 10 else f"{x:.2f}x"
+    if x is None:
+        return ""
+    return f"{x:.1f}x" if x >= 10 else f"{x:.2f}x" if x >= 0.01 else f"{x:.2g}x"
 
 
 def table_cells(rec: dict, loop: bool = False) -> list[str]:
@@ -954,21 +989,28 @@ def markdown_table(results: dict | None = None, rows: list[dict] | None = None) 
     """The end-to-end table in markdown (docs/benchmarks.md): one line per row of ``results``
     (prefill rows, then decode rows each followed by its on-device loop line), or, without
     results, the default rows (``rows``: planned rows to use instead), each "not yet
-    measured". A compile-check table follows when the results have one."""
+    measured". A compile-check table follows when the results have one, and the MoE table
+    (:func:`moe_table`) when they have MoE rows (alone when they have no other rows)."""
     lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
     if results is None:
         if rows is None:
             big = {k: v[0] for k, v in DEFAULTS.items()}
-            rows = planned_rows(argparse.Namespace(rows=list(ROW_KINDS), modes=list(MODES),
-                                                   **big))
+            rows = planned_rows(argparse.Namespace(rows=["prefill", "decode"],
+                                                   modes=list(MODES), **big))
         for r in sorted(rows, key=_table_order):
             for loop in ((False, True) if r["kind"] == "decode" else (False,)):
                 cells = [row_name(r, loop), NOT_MEASURED] + [""] * (len(TABLE_HEADER) - 2)
                 lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
-    for r in sorted(results["rows"], key=_table_order):
+    moe = [r for r in results["rows"] if r["kind"] == "moe"]
+    e2e_rows = [r for r in results["rows"] if r["kind"] != "moe"]
+    if moe and not e2e_rows:
+        lines = []
+    for r in sorted(e2e_rows, key=_table_order):
         for loop in ((False, True) if r["kind"] == "decode" and "loop" in r else (False,)):
             lines.append("| " + " | ".join(table_cells(r, loop)) + " |")
+    if moe:
+        lines += ([""] if lines else []) + [moe_table(moe, results.get("roofline"))]
     cc = results.get("compile_check")
     if cc and "cold" in cc:
         lines += ["", f"Compile check, {cc['what']}: first call minus second call, in a child "
@@ -983,6 +1025,57 @@ def markdown_table(results: dict | None = None, rows: list[dict] | None = None) 
                 cells.append("error" if v is None else f"{v:.1f} s")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+MOE_HEADER = ("MoE row", "pairs (experts hit)", "time", "TFLOP/s", "weights TB/s",
+              "XLA ragged_dot", "XLA / kernel", "dense scan", "dense / kernel", "floor",
+              "time / floor")
+
+
+def _fmt_us(us: float | None) -> str:
+    return "" if us is None else _fmt_s(us * 1e-6) if us >= 1000 else f"{us:.1f} us"
+
+
+def moe_cells(rec: dict) -> list[str]:
+    """The markdown cells of a MoE row record (:data:`MOE_HEADER`): the kernel's time (device
+    time on a GPU), its TFLOP/s and TB/s of expert weights, XLA's and the dense scan's times
+    and how many times slower they are, the floor and time / floor; why a time is missing."""
+    name = row_name(rec)
+    if "error" in rec or "skipped" in rec:
+        why = ("error: " + rec["error"].splitlines()[0]) if "error" in rec else \
+            "skipped: " + rec["skipped"]
+        return [name, why[:80]] + [""] * (len(MOE_HEADER) - 2)
+
+    def num(v, f):
+        return "" if v is None else f.format(v)
+    op, hit = rec.get("op_us"), rec.get("experts_hit")
+    return [name, f"{rec['pairs']:,}" + ("" if hit is None else f" ({hit})"),
+            _fmt_us(op) if op is not None else "no kernel: " + rec.get("kernel_none", "")[:40],
+            num(rec.get("tflops"), "{:.3g}"), num(rec.get("weights_TBps"), "{:.3g}"),
+            _fmt_us(rec["xla_us"]) if rec.get("xla_us") is not None else
+            "skipped (memory)" if "xla_none" in rec else "",
+            _fmt_x(rec.get("x_xla")),
+            _fmt_us(rec["dense_us"]) if rec.get("dense_us") is not None else
+            "skipped (" + ("memory" if "working set" in rec["dense_none"] else "time") + ")"
+            if "dense_none" in rec else "",
+            _fmt_x(rec.get("x_dense")), _fmt_us(rec.get("floor_us")),
+            _fmt_x(rec.get("x_floor"))]
+
+
+def moe_table(rows: list[dict], roof: dict | None = None) -> str:
+    """The MoE rows in markdown (:func:`moe_cells`), in the run's order, with a line naming
+    the time basis and the roofline (``roof``: the run's :func:`benchmarks.timing.roofline`)
+    of the floor."""
+    lines = ["| " + " | ".join(MOE_HEADER) + " |", "|" + "---|" * len(MOE_HEADER)]
+    lines += ["| " + " | ".join(moe_cells(r)) + " |" for r in rows]
+    basis = sorted({r["time_basis"] for r in rows if r.get("time_basis")})
+    note = (f"MoE rows: {' and '.join(basis) or 'no'} times per call of the FP4 grouped matmul "
+            "(kernel: the whole op, its padded layout included; XLA: dequantise + ragged_dot; "
+            "dense scan: every expert over every token)")
+    if roof:
+        note += (f"; floor = max(FLOPs / {roof['bf16_matmul_TFLOPs']:.3g} TFLOP/s, expert "
+                 f"weight bytes / {roof['copy_GBps']:.0f} GB/s), measured in the same run")
+    return "\n".join(lines + ["", note + "."])
 
 
 def figure(results: dict, path: str) -> str | None:
@@ -1068,7 +1161,14 @@ def _print_row(rec: dict) -> None:
         print(f"{name}: ERROR {rec['error'][:500]}", flush=True)
         return
     peer = f", {_fmt_x(rec['x_peer'])} the peer" if rec.get("x_peer") else ""
-    if rec["kind"] == "prefill":
+    if rec["kind"] == "moe":
+        c = dict(zip(MOE_HEADER, moe_cells(rec)))
+        print(f"{name}: {c['pairs (experts hit)']} pairs (experts hit), {c['time']} "
+              f"({rec.get('time_basis') or 'no kernel'}) = {c['TFLOP/s']} TFLOP/s, "
+              f"{c['weights TB/s']} TB/s of weights; XLA {c['XLA ragged_dot']} "
+              f"({c['XLA / kernel']}), dense scan {c['dense scan']} ({c['dense / kernel']}); "
+              f"floor {c['floor']} ({c['time / floor']})", flush=True)
+    elif rec["kind"] == "prefill":
         dev = "" if not rec.get("device_s") else \
             f", device {_fmt_s(rec['device_s'])} in {rec['launches']:,.0f} launches"
         print(f"{name}: {_fmt_s(rec['seconds'])} = {rec['tokens_per_s']:,.0f} tokens/s{dev}; "
@@ -1135,22 +1235,25 @@ def benchmark(args) -> dict:
     print(f"roofline: copy {roof['copy_GBps']:.0f} GB/s, bf16 matmul "
           f"{roof['bf16_matmul_TFLOPs']:.1f} TFLOP/s", flush=True)
 
-    t0 = time.perf_counter()
-    params = random_weights.random_params_device(cfg, args.seed)
-    jax.block_until_ready(params)
-    results["params_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    params = model.prepare_params(params, cfg)
-    if args.device_mesh is not None:
-        params = sharding.shard_params(params, cfg, args.device_mesh)
-        results["mesh"] = dict(args.device_mesh.shape)
-    jax.block_until_ready(params)
-    results["prepare_params_s"] = time.perf_counter() - t0
-    results["params_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     results["param_groups"] = bench_config.param_bytes_by_group(cfg)
-    print(f"params: {results['params_bytes'] / GB:.2f} GB of random weights in "
-          f"{results['params_s']:.1f} s, prepared in {results['prepare_params_s']:.1f} s",
-          flush=True)
+    params = None
+    if {"prefill", "decode"} & set(args.rows):      # the MoE rows make their own weights
+        t0 = time.perf_counter()
+        params = random_weights.random_params_device(cfg, args.seed)
+        jax.block_until_ready(params)
+        results["params_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        params = model.prepare_params(params, cfg)
+        if args.device_mesh is not None:
+            params = sharding.shard_params(params, cfg, args.device_mesh)
+            results["mesh"] = dict(args.device_mesh.shape)
+        jax.block_until_ready(params)
+        results["prepare_params_s"] = time.perf_counter() - t0
+        results["params_bytes"] = sum(x.size * x.dtype.itemsize
+                                      for x in jax.tree.leaves(params))
+        print(f"params: {results['params_bytes'] / GB:.2f} GB of random weights in "
+              f"{results['params_s']:.1f} s, prepared in {results['prepare_params_s']:.1f} s",
+              flush=True)
     write_json(args.out, results)
 
     spent: dict[str, list[float]] = {k: [] for k in ROW_KINDS}
@@ -1167,13 +1270,17 @@ def benchmark(args) -> dict:
         try:
             if row["kind"] == "prefill":
                 rec = prefill_row(params, cfg, row["length"], row["mode"], args)
-            else:
+            elif row["kind"] == "decode":
                 rec = decode_row(params, cfg, row["context"], row["batch"], args)
+            else:       # its floor from the roofline inside
+                rec = moe_rows.moe_row(row["name"], roof, args.seed, args.moe_dense_max_s,
+                                       calls=2 if small else 5)
         except Exception as e:  # noqa: BLE001  (e.g. out of memory: keep the other rows)
             rec = dict(row, error=f"{type(e).__name__}: {e}"[:4000])
         else:
-            add_floor(rec, cfg, roof)
-            add_peer(rec, results["peer"])
+            if row["kind"] != "moe":
+                add_floor(rec, cfg, roof)
+                add_peer(rec, results["peer"])
         rec["row_s"] = time.perf_counter() - t0
         rec["memory"] = memory_stats()
         spent[row["kind"]].append(rec["row_s"])

@@ -10,6 +10,7 @@ import math
 import textwrap
 
 import jax
+import numpy as np
 import pytest
 
 from benchmarks import config as bench_config
@@ -172,9 +173,14 @@ def test_peer_plumbing(tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--rows", "prefill,bogus"], "argument --rows: 'bogus' is not one of prefill, decode"),
-    (["--rows", ","], "argument --rows: '' is not one of prefill, decode"),
-    (["--rows", "none,decode"], "argument --rows: 'none' is not one of prefill, decode (or"),
+    (["--rows", "prefill,bogus"], "argument --rows: 'bogus' is not one of prefill, decode, moe"),
+    (["--rows", ","], "argument --rows: '' is not one of prefill, decode, moe"),
+    (["--rows", "none,decode"], "argument --rows: 'none' is not one of prefill, decode, moe (or"),
+    (["--rows", "moe", "--moe-rows", "rel w1 b64,rel w3 b8"],
+     "argument --moe-rows: unknown row 'rel w3 b8': '<mid w1|"),
+    (["--rows", "moe", "--moe-rows", "rel w1 3K"], "argument --moe-rows: unknown row 'rel w1 3K'"),
+    (["--rows", "moe", "--moe-rows", " , "], "argument --moe-rows: no MoE row given"),
+    (["--moe-dense-max-s", "-1"], "argument --moe-dense-max-s: must be >= 0, got -1.0"),
     (["--modes", "ced,fast"], "argument --modes: ['ced', 'fast'] is not a list of ced, exact"),
     (["--batches", "0"], "argument --batches: must be >= 1, got 0"),
     (["--config", "huge"], "argument --config: invalid choice: 'huge'"),
@@ -287,3 +293,114 @@ def test_synthetic_state(tiny):
     assert np.isfinite(np.asarray(logits)).all() and np.asarray(after.pos).tolist() == [65, 65]
     with pytest.raises(ValueError, match="context must be in"):
         e2e.synthetic_state(tiny, 1, 64, 64)
+
+
+def test_moe_rows_plan_and_budget(tmp_path, capsys):
+    """``--rows moe`` plans the ``--moe-rows`` rows after the others (defaults: the issue's
+    release rows, the tiny ones with ``--tiny``); the kernel runs on a GPU, in interpret mode
+    elsewhere for the tiny shapes only; the inputs' pairs are sorted by expert; a budget spent
+    by the roofline skips every MoE row."""
+    from benchmarks import grouped_matmul as gmb
+    from benchmarks import moe_rows
+
+    args = e2e.parse_args(["--tiny", "--rows", "decode,moe", "--contexts", "64"])
+    assert [(r["kind"], r.get("name")) for r in e2e.planned_rows(args)] == [
+        ("decode", None)] + [("moe", n) for n in moe_rows.TINY_ROWS]
+    args = e2e.parse_args(["--rows", "moe", "--no-peer"])
+    assert args.moe_rows == list(moe_rows.DEFAULT_ROWS) and len(args.moe_rows) == 16
+    assert {"rel w1 b1", "rel w1 b256", "rel w1 64K", "rel w2 1K"} <= set(args.moe_rows)
+    assert gmb.parse_row("rel w2 64K") == (384, 5120, 2304, 65536)
+    assert moe_rows.kernel_impl("rel w1 b64", "gpu") == "gpu"
+    assert moe_rows.kernel_impl("tiny w1 b8", "cpu") == "gpu_interpret"
+    assert moe_rows.kernel_impl("rel w1 b64", "cpu") is None
+    # the guard at an H200's rates: batch 1 reads every expert (2.55 GB at 4.2 TB/s), 256
+    # tokens compute 2.3 TFLOP (3.3 ms), 64K tokens 0.85 s: all under the default 1 s, and
+    # 64K tokens' working set (fp32 sums of 5120 outputs: 2.7 GB) under DENSE_MAX_BYTES
+    h200 = {"bf16_matmul_TFLOPs": 700.0, "copy_GBps": 4200.0}
+    assert moe_rows.dense_estimate_s(384, 2304, 5120, 1, h200) == pytest.approx(
+        384 * 2304 * (2560 + 160 * 2) / 4200e9)
+    assert moe_rows.dense_estimate_s(384, 2304, 5120, 256, h200) == pytest.approx(
+        2 * 384 * 256 * 2304 * 5120 / 700e12)
+    assert moe_rows.dense_estimate_s(384, 5120, 2304, 65536, h200) == pytest.approx(0.8479,
+                                                                                  rel=1e-3)
+    assert moe_rows.dense_estimate_s(384, 5120, 2304, 65536, h200) < moe_rows.DENSE_MAX_S
+    assert moe_rows.dense_bytes(384, 5120, 2304, 65536) < moe_rows.DENSE_MAX_BYTES < (
+        moe_rows.dense_bytes(384, 5120, 2304, 8 * 65536))
+    inp = gmb.make_inputs(8, 128, 256, 5, seed=3)
+    ids = inp["idx"].ravel()[inp["order"]]
+    assert (np.diff(ids) >= 0).all() and int(inp["group_sizes"].sum()) == 30
+    assert np.asarray(inp["group_sizes"]).tolist() == np.bincount(ids, minlength=8).tolist()
+    assert np.allclose(inp["weights"].sum(1), 1.0) and inp["hit"] == len(set(ids.tolist()))
+    assert (np.asarray(inp["x"]) == np.asarray(inp["x_tok"])[inp["pair_token"]]).all()
+    out = tmp_path / "moe.json"
+    assert e2e.main(["--tiny", "--rows", "moe", "--budget-s", "0.001", "--no-peer",
+                     "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["rows"] == [] and [r["name"] for r in res["skipped"]] == list(moe_rows.TINY_ROWS)
+    assert all(r["skipped"].startswith("time budget") for r in res["skipped"])
+    assert "moe tiny w1 b1: time budget" in capsys.readouterr().out
+
+
+def test_moe_row_guards():
+    """A row whose XLA path and dense scan the guards skip: null times, the reasons, no
+    ratios; the kernel still measured."""
+    from benchmarks import moe_rows
+
+    roof = {"bf16_matmul_TFLOPs": 1.0, "copy_GBps": 10.0}
+    rec = moe_rows.moe_row("tiny w1 b1", roof, dense_max_s=0.0, xla_max_bytes=0, calls=1)
+    assert rec["xla_us"] is None and rec["x_xla"] is None and "passes 0 GB" in rec["xla_none"]
+    assert rec["dense_us"] is None and rec["x_dense"] is None
+    assert "passes --moe-dense-max-s 0" in rec["dense_none"]
+    assert _finite_positive(rec["op_us"]) and "max_err" not in rec
+    # flops 2 x 6 pairs x 128 x 256 at 1 TFLOP/s: 0.393 us; 6 experts' 110,592 bytes at 10 GB/s
+    assert rec["floor_us"] == pytest.approx(11.0592)
+    assert rec["x_floor"] == rec["op_us"] / rec["floor_us"]
+    assert "| moe tiny w1 b1 | 6 (6) |" in e2e.moe_table([rec], roof)
+    assert "skipped (memory)" in e2e.moe_table([rec]) and "skipped (time)" in e2e.moe_table([rec])
+
+
+def test_bench_e2e_moe_tiny(tmp_path, capsys):
+    """``--tiny --rows moe`` end to end on CPU: the tiny MoE rows with the interpret-mode kernel,
+    XLA and the dense scan all measured (wall times), no model weights; every ratio is the
+    stored times' ratio, the floor the roofline's; the kernel agrees with XLA and its weighted
+    pair sums with the dense scan; the table, printed and rendered from the JSON."""
+    from benchmarks import grouped_matmul as gmb
+    from benchmarks import moe_rows
+
+    out = tmp_path / "moe.json"
+    assert e2e.main(["--tiny", "--rows", "moe", "--no-peer", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert "params_bytes" not in res and res["skipped"] == []
+    assert [r["name"] for r in res["rows"]] == list(moe_rows.TINY_ROWS)
+    roof = res["roofline"]
+    cpu = jax.default_backend() == "cpu"
+    for r in res["rows"]:
+        E, N, K, T = gmb.parse_row(r["name"])
+        assert (r["kind"], r["experts"], r["N"], r["K"], r["tokens"]) == ("moe", E, N, K, T)
+        assert r["pairs"] == 6 * T and 1 <= r["experts_hit"] <= min(E, 6 * T)
+        assert r["flops"] == 2 * r["pairs"] * N * K
+        assert r["weight_bytes"] == r["experts_hit"] * (N * K // 2 + N * K // 32 * 2)
+        for k in ("op_us", "xla_us", "dense_us", "floor_us", "tflops", "weights_TBps",
+                  "x_xla", "x_dense", "x_floor", "flops_frac", "bw_frac", "first_call_s"):
+            assert _finite_positive(r[k]), (r["name"], k, r[k])
+        assert r["kernel_impl"] == ("gpu_interpret" if cpu else "gpu")
+        if cpu:
+            assert r["time_basis"] == "wall" and r["kernel_us"] is None
+        assert r["x_xla"] == pytest.approx(r["xla_us"] / r["op_us"], rel=1e-12)
+        assert r["x_dense"] == pytest.approx(r["dense_us"] / r["op_us"], rel=1e-12)
+        floor = 1e6 * max(r["flops"] / (roof["bf16_matmul_TFLOPs"] * 1e12),
+                          r["weight_bytes"] / (roof["copy_GBps"] * 1e9))
+        assert r["floor_us"] == pytest.approx(floor, rel=1e-12)
+        assert r["x_floor"] == pytest.approx(r["op_us"] / floor, rel=1e-12)
+        assert r["tflops"] == pytest.approx(r["flops"] / r["op_us"] / 1e6, rel=1e-12)
+        assert r["weights_TBps"] == pytest.approx(r["weight_bytes"] / r["op_us"] / 1e6,
+                                                  rel=1e-12)
+        assert r["flops_frac"] == pytest.approx(r["tflops"] / roof["bf16_matmul_TFLOPs"])
+        assert r["bw_frac"] == pytest.approx(r["weights_TBps"] * 1e3 / roof["copy_GBps"])
+        assert 0 <= r["max_err"] <= 2 ** -7 and 0 < r["dense_max_err"] <= 2 ** -7
+    assert "| moe tiny w1 b8 | 48 (8) |" in text and "MoE rows: wall times" in text
+    assert "| row | time | tokens/s |" not in text      # no prefill or decode table
+    assert e2e.main(["--render", str(out)]) == 0
+    rendered = capsys.readouterr().out
+    assert rendered.strip() == text[text.index("| MoE row"):text.index("\ntotal")].strip()
