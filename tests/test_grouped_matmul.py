@@ -134,19 +134,25 @@ def test_refusals():
     assert not gm.kernel_fits(64, 64)
 
 
+def _moe_case(rng, E, D, F, L):
+    """A small MoE config of ``E`` experts (top 2) and its ``L``-layer stacks of stored FP4
+    experts ``{name: (codes, scale)}``."""
+    from dsv41_jax.config import ModelConfig
+    cfg = ModelConfig.from_json("configs/small.json").replace(
+        dim=D, moe_inter_dim=F, n_routed_experts=E, n_activated_experts=2)
+    return cfg, {k: _experts(rng, E, *((F, D) if k != "w2" else (D, F)), L)
+                 for k in ("w1", "w3", "w2")}
+
+
 @pytest.mark.parametrize("tokens", [2, 24])
 def test_moe_on_a_stack_in_kernel_form(tokens):
     """The MoE sublayer on kernel-form experts handed on as a stack with ``"at"`` equals the
     stored form's, for every path: the gathered few-token one, the dense scan and the routed
     grouped matmuls (XLA on CPU), and the routed one through the GPU kernel (interpret)."""
-    from dsv41_jax.config import ModelConfig
     from dsv41_jax.layers import moe as moe_layer
     rng = np.random.default_rng(6)
     E, D, F, L = 8, 128, 128, 2
-    cfg = ModelConfig.from_json("configs/small.json").replace(
-        dim=D, moe_inter_dim=F, n_routed_experts=E, n_activated_experts=2)
-    stacks = {k: _experts(rng, E, *((F, D) if k != "w2" else (D, F)), L)
-              for k in ("w1", "w3", "w2")}
+    cfg, stacks = _moe_case(rng, E, D, F, L)
     shared = {k: {"weight": jnp.asarray(rng.normal(0, 0.1, (F, D) if k != "w2" else (D, F)),
                                         jnp.bfloat16)} for k in ("w1", "w3", "w2")}
     gate = {"weight": jnp.asarray(rng.normal(0, 1, (E, D)), jnp.bfloat16),
@@ -179,14 +185,10 @@ def test_few_pairs_on_the_kernel(tokens):
     (no sort by expert), the experts read in place from a stack with ``"at"``, the kernel in
     interpret mode; equals the gathered path on the stored form within one bf16 rounding,
     tokens sharing an expert included."""
-    from dsv41_jax.config import ModelConfig
     from dsv41_jax.layers import moe as moe_layer
     rng = np.random.default_rng(8)
     E, D, F, L = 4, 128, 128, 3
-    cfg = ModelConfig.from_json("configs/small.json").replace(
-        dim=D, moe_inter_dim=F, n_routed_experts=E, n_activated_experts=2)
-    stacks = {k: _experts(rng, E, *((F, D) if k != "w2" else (D, F)), L)
-              for k in ("w1", "w3", "w2")}
+    _, stacks = _moe_case(rng, E, D, F, L)
     layer = 2
     x = jnp.asarray(rng.normal(0, 1, (tokens, D)), jnp.bfloat16)
     idx = jnp.asarray([[3, 1], [1, 0], [2, 3]][:tokens], jnp.int32)

@@ -32,12 +32,14 @@ def tool():
     ("/a/dsv41_jax/layers/moe.py", "_grouped_linear", "moe"),
     ("/a/pallas_kernels/grouped_matmul/reference.py", "ref", "moe"),
     ("/a/dsv41_jax/layers/linear.py", "linear", "projections"),
-    ("/a/dsv41_jax/layers/linear.py", "rms_norm", "rest"),        # its caller decides
+    ("/a/pallas_kernels/mhc/reference.py", "rms_norm", "rest"),   # its caller decides
     ("/a/pallas_kernels/gemv/triton.py", "fp8_gemv", "projections"),
     ("/a/dsv41_jax/quant.py", "fp8_quantize", "quantisation"),
     ("/a/pallas_kernels/fp4/reference.py", "pack_nibbles", "quantisation"),
     ("/a/dsv41_jax/layers/compressor.py", "compress", "compressor"),
-    ("/a/dsv41_jax/layers/mhc.py", "sinkhorn_split", "mhc"),
+    ("/a/dsv41_jax/layers/mhc.py", "block_wiring", "mhc"),
+    ("/a/pallas_kernels/mhc/reference.py", "sinkhorn_split", "mhc"),
+    ("/a/pallas_kernels/mhc/triton.py", "sublayer_glue", "mhc"),
     ("/a/dsv41_jax/model.py", "block", "rest"),
     ("/a/dsv41_jax/layers/rope.py", "apply_rope", "rest"),
     ("C:\\a\\dsv41_jax\\layers\\moe.py", "gate", "moe"),
@@ -58,7 +60,7 @@ def test_group_is_the_innermost_classified_frame(tool):
     rope = F("/r/dsv41_jax/layers/rope.py", "apply_rope", 5)
     attn = F("/r/dsv41_jax/layers/attention.py", "attention", 50)
     quant = F("/r/dsv41_jax/quant.py", "fp8_quantize", 40)
-    norm = F("/r/dsv41_jax/layers/linear.py", "rms_norm", 160)
+    norm = F("/r/pallas_kernels/mhc/reference.py", "rms_norm", 60)
     block = F("/r/dsv41_jax/model.py", "block", 200)
     assert I("a", "fusion", "", (rope, attn, block)).group == "attention"
     assert I("b", "fusion", "", (quant, attn, block)).group == "quantisation"
@@ -299,7 +301,7 @@ def test_real_hlo_classified(tool, tiny_run):
     lin = first("dsv41_jax/layers/linear.py", "linear", "dsv41_jax/layers/attention.py")
     assert lin.group == "projections"
     assert first("dsv41_jax/layers/linear.py", "linear", "dsv41_jax/layers/moe.py").group == "moe"
-    assert first("dsv41_jax/layers/mhc.py").group == "mhc"
+    assert first("pallas_kernels/mhc/reference.py", "hc_mixes").group == "mhc"
     assert first("pallas_kernels/fp4/reference.py").group == "quantisation"
     # the whole stack, down to the model's block
     fns = [f.function for f in lin.frames]

@@ -56,6 +56,7 @@ def child(config: str, context: int, steps: int) -> dict:
 
 def main(argv=None) -> int:
     import argparse
+    from benchmarks.timing import write_json
     ap = argparse.ArgumentParser(prog="first_decode_call", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/small.json", help="model config JSON")
     ap.add_argument("--context", type=int, default=256, help="positions of the state")
@@ -74,9 +75,7 @@ def main(argv=None) -> int:
            "runs": runs, "first_call_s_median": statistics.median(r["first_call_s"] for r in runs)}
     print(f"first decode_step call: median {res['first_call_s_median']:.2f} s over "
           f"{len(runs)} processes")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
     return 0
 
 

@@ -72,7 +72,8 @@ UNMATCHED = "unmatched"
 # fragment is in the frame's file (and whose function is the frame's, or encloses it) gives the
 # group. "rest" rows pass the frame to its caller: an RMS norm belongs to whatever normalises.
 SOURCE_GROUPS = (
-    ("dsv41_jax/layers/linear.py", "rms_norm", "rest"),
+    ("pallas_kernels/mhc/reference.py", "rms_norm", "rest"),
+    ("dsv41_jax/layers/linear.py", "rms_norm", "rest"),     # where it lived before
     ("dsv41_jax/layers/attention.py", "_index", "indexer"),
     ("dsv41_jax/layers/attention.py", None, "attention"),
     ("pallas_kernels/sparse_attention/", None, "attention"),
@@ -87,6 +88,7 @@ SOURCE_GROUPS = (
     ("dsv41_jax/layers/compressor.py", None, "compressor"),
     ("dsv41_jax/layers/mhc.py", None, "mhc"),
     ("pallas_kernels/sinkhorn/", None, "mhc"),
+    ("pallas_kernels/mhc/", None, "mhc"),
 )
 # (fragment of the op_name, group) where no row of SOURCE_GROUPS matches the file.
 OP_NAME_GROUPS = (
@@ -101,6 +103,7 @@ KERNEL_NAME_GROUPS = (
     ("fp4_grouped_matmul", "moe"),
     ("fp8_stacked_gemv", "projections"),
     ("sinkhorn_pairs", "mhc"),
+    ("mhc_glue", "mhc"),
 )
 # (inner, outer): an instruction whose innermost classified frame is of group ``inner`` takes
 # group ``outer`` where a frame further out is of that group: the experts' matmuls (dense
