@@ -20,8 +20,10 @@ round-to-nearest satfinite e4m3 convert, :data:`QDQ_PTX`, and back): a quantised
 activation quantisation then launches no kernels of its own. Each program quantises the
 tiles it reads; the input is a few rows, so that work is small beside the weight's bytes.
 
-Partial sums ``[k_splits, 16, N]`` (fp32) are added by the wrapper. The input's group of a
-row block (``G > 1``, the grouped output projection) is ``row // (N / G)``.
+Partial sums ``[k_splits, M, N]`` (fp32; only the input's ``M`` rows of the 16-row tile are
+written, so a batch-1 call writes 1/16 of what the tile holds) are added by the wrapper. The
+input's group of a row block (``G > 1``, the grouped output projection) is
+``row // (N / G)``.
 """
 
 from __future__ import annotations
@@ -104,8 +106,17 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, block_n, n_k, gro
         return tuple(out)
 
     accs = jax.lax.fori_loop(0, n_k, step, (jnp.zeros((ROWS, BLOCK_N), F32),) * subs)
+    if rows == ROWS:
+        for j in range(subs):
+            o_ref[:, pl.ds(j * BLOCK_N, BLOCK_N)] = accs[j]
+        return
+    # only the input's rows are written (a decode step of batch 1 writes 1 of the 16): each
+    # picked out of the tile by a sum whose other terms are zeros (exact)
+    pick = jnp.arange(ROWS)[:, None]
     for j in range(subs):
-        o_ref[:, pl.ds(j * BLOCK_N, BLOCK_N)] = accs[j]
+        for m in range(rows):
+            o_ref[m, pl.ds(j * BLOCK_N, BLOCK_N)] = jnp.sum(
+                jnp.where(pick == m, accs[j], 0.0), axis=0)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -160,9 +171,9 @@ def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None
         kernel, grid=(N // block_n, k_splits),
         in_specs=[pl.BlockSpec(), pl.BlockSpec((ROWS, G, K), lambda nb, ks: (0, 0, 0)),
                   pl.BlockSpec(), pl.BlockSpec()],
-        out_specs=pl.BlockSpec((None, ROWS, block_n), lambda nb, ks: (ks, 0, nb)),
-        out_shape=jax.ShapeDtypeStruct((k_splits, ROWS, N), F32),
+        out_specs=pl.BlockSpec((None, M, block_n), lambda nb, ks: (ks, 0, nb)),
+        out_shape=jax.ShapeDtypeStruct((k_splits, M, N), F32),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_stacked_gemv",
     )(jnp.reshape(layer, (1,)).astype(I32), x, w, scale)
-    return (part[0] if k_splits == 1 else jnp.sum(part, axis=0))[:M]
+    return part[0] if k_splits == 1 else jnp.sum(part, axis=0)
