@@ -159,7 +159,7 @@ def reductions(cfg: ModelConfig, release: dict) -> dict:
 # ----------------------------------------------------------------------------- end to end
 
 #: The end-to-end benchmark's configs (:func:`e2e_config`).
-E2E_CONFIGS = ("mid", "release-fit", "release-384", "tiny")
+E2E_CONFIGS = ("mid", "release-fit", "release-384", "release", "tiny")
 
 #: ``mid``: the release attention, indexer, candidate pool and 40-layer layout at width 2048
 #: with 16 small experts; the PyTorch peer's ``mid`` preset (``shared/bench/peer_nemo.py``).
@@ -282,6 +282,9 @@ def e2e_config(name: str) -> tuple[ModelConfig, dict]:
       141 GB GPU (:func:`release_fit_experts`; 6 activated).
     * ``release-384``: the release dimensions and all 384 routed experts (the routed MoE's
       config) on :data:`RELEASE_384_LAYOUT`'s 6 layers; Engram, DSpark and vision off.
+    * ``release``: ``configs/flash.json`` as released (Engram and the DSpark head included),
+      the vision encoder off (the rows are text); for a mesh of several GPUs (its weights
+      exceed one GPU's memory: ``scripts/plan_memory.py``).
     * ``tiny``: :func:`tiny_config` without Engram (CPU smoke tests).
 
     Raises ``ValueError`` for another name.
@@ -295,6 +298,8 @@ def e2e_config(name: str) -> tuple[ModelConfig, dict]:
     elif name == "release-384":
         d = _release_fit_dict(load_release_dict()["n_routed_experts"])
         d.update(RELEASE_384_LAYOUT)
+    elif name == "release":
+        d = dict(load_release_dict(), vision_n_layers=0)
     elif name == "tiny":
         return tiny_config("drop")
     else:

@@ -237,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", choices=bench_config.E2E_CONFIGS, default="mid",
                     help="mid (default: release attention and layers, dim 2048, 16 experts), "
                          "release-fit (release dimensions, the experts that fit one 141 GB "
-                         "GPU), tiny (CPU smoke test)")
+                         "GPU), release-384 (release dimensions and experts, 6 layers), "
+                         "release (configs/flash.json with Engram and DSpark, vision off; "
+                         "needs --mesh), tiny (CPU smoke test)")
     ap.add_argument("--tiny", action="store_true",
                     help="--config tiny with smoke-test sizes (64 tokens, batch 1, 3 steps)")
     ap.add_argument("--rows", default="prefill,decode",
@@ -318,7 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mesh", type=mesh_spec, default=None, metavar="data=D,tensor=T,expert=E",
                     help="run every row on a device mesh of these axis sizes (their product: "
                          "the number of devices; an axis left out is 1; docs/architecture.md, "
-                         "'Sharding'); default: one device, no mesh")
+                         "'Sharding'); default: one device, no mesh. The random weights are "
+                         "then made on the mesh, each device building its part")
+    ap.add_argument("--engram", choices=sharding.ENGRAM_PLACES, default="replicated",
+                    help="with --mesh, where the Engram tables go (shard_params' engram=): "
+                         "replicated (default), sharded over the devices, or host (split over "
+                         "the devices' host memory; the release on 8 GPUs needs it)")
     return ap
 
 
@@ -385,6 +392,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     elif not os.path.isfile(args.peer):
         ap.error(f"argument --peer: no such file: {args.peer}")
     args.cfg, args.release = bench_config.e2e_config(args.config)
+    if args.config == "release" and args.mesh is None and {"prefill", "decode"} & set(args.rows):
+        ap.error("--config release: the release model's weights do not fit one GPU; pass "
+                 "--mesh (scripts/plan_memory.py says which fits)")
+    if args.engram != "replicated" and args.mesh is None:
+        ap.error(f"argument --engram: {args.engram} places the tables over a mesh; pass --mesh")
     if args.mesh is not None:
         dp, ep = args.mesh["data"], args.mesh["expert"]
         if args.cfg.n_routed_experts % ep:
@@ -1239,14 +1251,17 @@ def benchmark(args) -> dict:
     params = None
     if {"prefill", "decode"} & set(args.rows):      # the MoE rows make their own weights
         t0 = time.perf_counter()
-        params = random_weights.random_params_device(cfg, args.seed)
+        params = random_weights.random_params_device(cfg, args.seed, mesh=args.device_mesh,
+                                                     engram=args.engram)
         jax.block_until_ready(params)
         results["params_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         params = model.prepare_params(params, cfg)
         if args.device_mesh is not None:
-            params = sharding.shard_params(params, cfg, args.device_mesh)
+            params = sharding.shard_params(params, cfg, args.device_mesh, engram=args.engram,
+                                           reshard=True)
             results["mesh"] = dict(args.device_mesh.shape)
+            results["engram"] = args.engram
         jax.block_until_ready(params)
         results["prepare_params_s"] = time.perf_counter() - t0
         results["params_bytes"] = sum(x.size * x.dtype.itemsize

@@ -8,6 +8,8 @@ O(1) through the stack. They are not trained: generated text is noise.
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 
@@ -104,13 +106,20 @@ def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- on the device
 
 
-def _device_gens():
-    """Jitted leaf generators (built lazily so that importing this module needs no JAX)."""
+#: The static arguments of each leaf generator of :func:`_device_gens`.
+_GEN_STATIC = dict(normal=("shape", "mean", "std", "absolute", "dtype"),
+                   fp8_block=("lead", "o", "i", "gain"), fp8_block_dequant=("o", "i", "gain"),
+                   fp4_rows=("lead", "o", "i", "gain"), fp8_rows=("rows", "hd", "valid"))
+
+
+def _device_gens() -> dict:
+    """The leaf generators, plain functions of a key and their static arguments
+    (:data:`_GEN_STATIC`), which :func:`random_params_device` jits with the shardings it
+    needs. Built once (so that importing this module needs no JAX): the same functions each
+    time, so JAX's caches reuse their compiled programs across calls."""
     global _GENS
     if _GENS is not None:
         return _GENS
-    import functools
-
     import jax
     import jax.numpy as jnp
 
@@ -118,14 +127,13 @@ def _device_gens():
 
     f32 = jnp.float32
 
-    @functools.partial(jax.jit, static_argnames=("shape", "mean", "std", "absolute", "dtype"))
     def normal(key, shape, mean, std, absolute, dtype):
         v = mean + std * jax.random.normal(key, shape, f32)
         if absolute:
             v = jnp.abs(v)
         return v.astype(dtype)
 
-    def _fp8_block_codes(key, lead, o, i, gain):
+    def fp8_block(key, lead, o, i, gain):
         # [.., o, i] fp32 N(0, gain^2 / i) -> e4m3 codes + E8M0 bytes per 32x32 tile
         w = jax.random.normal(key, (*lead, o, i), f32) * np.float32(gain / np.sqrt(i))
         go, gi = -(-o // 32), -(-i // 32)
@@ -138,30 +146,28 @@ def _device_gens():
         q = q.reshape(*lead, go * 32, gi * 32)[..., :o, :i]
         return q, (e + 127).astype(jnp.uint8)
 
-    @functools.partial(jax.jit, static_argnames=("lead", "o", "i", "gain"))
-    def fp8_block(key, lead, o, i, gain):
-        return _fp8_block_codes(key, lead, o, i, gain)
-
-    @functools.partial(jax.jit, static_argnames=("o", "i", "gain"))
     def fp8_block_dequant(key, o, i, gain):
-        q, s = _fp8_block_codes(key, (), o, i, gain)
+        q, s = fp8_block(key, (), o, i, gain)
         return quant.dequant_fp8_weight(q, s)
 
-    @functools.partial(jax.jit, static_argnames=("lead", "o", "i", "gain"))
     def fp4_rows(key, lead, o, i, gain):
         # [.., o, i] fp32 N(0, gain^2 / i) -> packed e2m1 [.., o, i/2] + E8M0 [.., o, i/32]
         w = jax.random.normal(key, (*lead, o, i), f32) * np.float32(gain / np.sqrt(i))
         codes, scale = quant.fp4_quantize(w, 32, "e8m0")
         return quant.pack_nibbles(codes), scale
 
-    @functools.partial(jax.jit, static_argnames=("rows", "hd"))
-    def fp8_rows(key, rows, hd):
-        # Engram table: N(0, 1) rows, e4m3 with one E8M0 scale per 32 values of a row
+    def fp8_rows(key, rows, hd, valid):
+        # Engram table: N(0, 1) rows, e4m3 with one E8M0 scale per 32 values of a row; the
+        # rows from ``valid`` on (the padding of a table split over a mesh) zero
         v = jax.random.normal(key, (rows, hd // 32, 32), f32)
         amax = jnp.max(jnp.abs(v), axis=-1)
         e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-12) / 448.0))
         q = jnp.clip(v / jnp.exp2(e)[..., None], -448.0, 448.0).astype(quant.E4M3)
-        return q.reshape(rows, hd), (e + 127).astype(jnp.uint8)
+        q, s = q.reshape(rows, hd), (e + 127).astype(jnp.uint8)
+        if valid < rows:
+            real = jnp.arange(rows)[:, None] < valid
+            q, s = jnp.where(real, q, jnp.zeros_like(q)), jnp.where(real, s, 0)
+        return q, s
 
     _GENS = dict(normal=normal, fp8_block=fp8_block, fp8_block_dequant=fp8_block_dequant,
                  fp4_rows=fp4_rows, fp8_rows=fp8_rows)
@@ -191,8 +197,9 @@ def _plain_init(name: str, shape: tuple) -> tuple[float, float, bool]:
     return 0.0, float(1.0 / np.sqrt(shape[-1])), False
 
 
-def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) -> dict:
-    """Seeded random parameters built directly on JAX's default device, leaf by leaf.
+def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None, *, mesh=None,
+                         engram: str = "replicated") -> dict:
+    """Seeded random parameters built directly on the devices, leaf by leaf.
 
     Returns the pytree :func:`dsv41_jax.checkpoint.params_from_tensors` returns for
     ``random_tensors(cfg)`` (same structure, shapes and dtypes; the values come from
@@ -203,6 +210,17 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
 
     ``tokenizer_map`` (int [vocab], Engram configs only) is the compressed token map; by
     default it is built from the tokenizer as :func:`params_from_tensors` does.
+
+    ``mesh`` (:func:`dsv41_jax.sharding.make_mesh`; default: JAX's default device): each leaf
+    is generated in the sharding the sliced loader gives the checkpoint tensor it stands for
+    (:func:`dsv41_jax.sharding.checkpoint_sharding`, the Engram tables' rows as ``engram``
+    says, ``"host"`` in the devices' host memory), every device computing only its part, so a
+    model that fits the mesh but not one device can be built (the release on 8 GPUs,
+    docs/architecture.md, "Sharding"). The values are those of the build without a mesh, bit
+    for bit (JAX's partitionable random bits); an Engram table split over the mesh has its
+    rows padded to a multiple of the device count with zeros, as the loader pads them. Place
+    the prepared tree with ``shard_params(..., reshard=True)``. Raises ``ValueError`` as
+    :func:`~dsv41_jax.sharding.shard_params` does for a bad mesh or ``engram``.
     """
     import jax
     import jax.numpy as jnp
@@ -210,8 +228,38 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
     from dsv41_jax.checkpoint import nest
     from dsv41_jax.config import LayerPlan
 
-    gens = _device_gens()
+    if mesh is not None:
+        from dsv41_jax import sharding
+        sharding.check_mesh(mesh)
+        sharding.check_experts(cfg, mesh)
+        sharding.logical_axes_table(engram)
+    funcs = _device_gens()
+    jitted: dict = {}
+
+    def gen(kind: str, names: tuple[str, ...], *args):
+        """Leaf generator ``kind`` on ``args``, its outputs (the tensors ``names``) in their
+        mesh shardings (one jit per generator and shardings, in this call only)."""
+        if mesh is None:
+            out = None
+        else:
+            out = tuple(sharding.checkpoint_sharding(n, exp_shape(n), mesh, engram=engram)[1]
+                        for n in names)
+            out = out[0] if len(out) == 1 else out
+        if (kind, out) not in jitted:
+            jitted[kind, out] = jax.jit(funcs[kind], static_argnames=_GEN_STATIC[kind],
+                                        out_shardings=out)
+        return jitted[kind, out](key(), *args)
+
     exp = {**expected_tensors(cfg), **expected_dspark_tensors(cfg)}
+
+    def exp_shape(name: str) -> tuple:
+        """A tensor's shape; a stacked expert projection's ``[E, ...]``."""
+        if name in exp:
+            return tuple(exp[name][0])
+        layer, w, leaf = re.fullmatch(r"(.*)\.ffn\.experts\.(\w+)\.(\w+)", name).groups()
+        E = cfg.n_routed_experts if layer.startswith("layers") else cfg.dspark_experts[0]
+        return (E, *exp[f"{layer}.ffn.experts.0.{w}.{leaf}"][0])
+
     plan = LayerPlan.from_config(cfg)
     root = jax.random.key(seed)
     counter = iter(range(1 << 30))
@@ -224,6 +272,7 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
         base = name.rsplit(".", 1)[0]
         if name.endswith(".scale") and f"{base}.weight" in exp:
             continue                                        # made with its weight
+        pair = (name, f"{base}.scale")
         parts = name.split(".")
         if len(parts) > 4 and parts[2] == "ffn" and parts[3] == "experts":
             if parts[4] != "0":
@@ -232,34 +281,34 @@ def random_params_device(cfg: ModelConfig, seed: int = 0, tokenizer_map=None) ->
             gain = 0.5 if w == "w2" else 1.0
             stacked = f"{parts[0]}.{parts[1]}.ffn.experts.{w}"
             E = cfg.n_routed_experts if parts[0] == "layers" else cfg.dspark_experts[0]
+            spair = (f"{stacked}.weight", f"{stacked}.scale")
             if dtypes == ("uint8",):                        # packed FP4 [o, i/2]
                 o, i = shape[0], shape[1] * 2
-                flat[f"{stacked}.weight"], flat[f"{stacked}.scale"] = gens["fp4_rows"](
-                    key(), (E,), o, i, gain)
+                flat[spair[0]], flat[spair[1]] = gen("fp4_rows", spair, (E,), o, i, gain)
             elif f"{base}.scale" in exp:                    # FP8 block-scaled
                 o, i = shape
-                flat[f"{stacked}.weight"], flat[f"{stacked}.scale"] = gens["fp8_block"](
-                    key(), (E,), o, i, 1.0)
+                flat[spair[0]], flat[spair[1]] = gen("fp8_block", spair, (E,), o, i, 1.0)
             else:                                           # bf16 experts
-                flat[f"{stacked}.weight"] = gens["normal"](
-                    key(), (E, *shape), 0.0, float(1.0 / np.sqrt(shape[-1])), False,
-                    jnp.dtype(dtypes[0]))
+                flat[spair[0]] = gen("normal", spair[:1], (E, *shape), 0.0,
+                                     float(1.0 / np.sqrt(shape[-1])), False,
+                                     jnp.dtype(dtypes[0]))
             continue
         if name.endswith(".weight") and f"{base}.scale" in exp:
             if name.endswith("engram.embed.weight"):
-                flat[name], flat[f"{base}.scale"] = gens["fp8_rows"](key(), shape[0], shape[1])
+                rows = (sharding.checkpoint_sharding(name, shape, mesh, engram=engram)[0][0]
+                        if mesh is not None else shape[0])
+                flat[name], flat[pair[1]] = gen("fp8_rows", pair, rows, shape[1], shape[0])
             elif name.endswith("attn.wo_a.weight"):
                 # dequantised at load (docs/architecture.md,
                 # "Checkpoint format and load-time conversions")
-                flat[name] = gens["fp8_block_dequant"](key(), shape[0], shape[1], 1.0)
+                flat[name] = gen("fp8_block_dequant", pair[:1], shape[0], shape[1], 1.0)
             else:
                 gain = 2.5 if name.endswith("wo_b.weight") else 1.0
-                flat[name], flat[f"{base}.scale"] = gens["fp8_block"](
-                    key(), (), shape[0], shape[1], gain)
+                flat[name], flat[pair[1]] = gen("fp8_block", pair, (), shape[0], shape[1], gain)
             continue
         mean, std, absolute = _plain_init(name, shape)
-        flat[name] = gens["normal"](key(), tuple(shape), mean, std, absolute,
-                                    jnp.dtype(dtypes[0]))
+        flat[name] = gen("normal", (name,), tuple(shape), mean, std, absolute,
+                         jnp.dtype(dtypes[0]))
 
     tree = nest(flat)
     params: dict = {"embed": tree["embed"], "norm": tree["norm"],

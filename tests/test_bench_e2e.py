@@ -195,6 +195,8 @@ def test_peer_plumbing(tmp_path):
     (["--mesh", "data=2", "--rows", "decode", "--batches", "2,3"],
      "argument --mesh: decode batch 3 does not divide by data=2"),
     (["--mesh", "expert=3"], "argument --mesh: the config's 4 routed experts do not divide"),
+    (["--engram", "host"], "argument --engram: host places the tables over a mesh; pass --mesh"),
+    (["--engram", "attic"], "argument --engram: invalid choice: 'attic'"),
 ])
 def test_bench_e2e_refuses(argv, match, capsys):
     """Bad options: exit status 2 and one line naming the option, before anything runs."""
@@ -214,6 +216,21 @@ def test_mesh_option():
     args = e2e.parse_args(["--tiny", "--rows", "decode", "--batches", "4", "--mesh",
                            " data = 2 , expert=2"])
     assert args.mesh == {"data": 2, "tensor": 1, "expert": 2}
+
+
+def test_release_config():
+    """``--config release``: configs/flash.json with Engram and the DSpark head, vision off;
+    refused without a mesh (its weights exceed one GPU), its Engram tables placed as
+    ``--engram`` says."""
+    args = e2e.parse_args(["--config", "release", "--mesh", "expert=8", "--engram", "host",
+                           "--no-peer"])
+    cfg = args.cfg
+    assert (cfg.dim, cfg.n_layers, cfg.n_routed_experts) == (5120, 40, 384)
+    assert cfg.engram_layer_ids and cfg.dspark_on and cfg.vision_n_layers == 0
+    assert args.engram == "host" and args.mesh == {"data": 1, "tensor": 1, "expert": 8}
+    with pytest.raises(SystemExit) as e:
+        e2e.parse_args(["--config", "release", "--no-peer"])
+    assert e.value.code == 2
 
 
 def test_rows_none_and_order():

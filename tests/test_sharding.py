@@ -484,6 +484,52 @@ def test_converted_round_trip(tiny, tmp_path):
 
 
 @needs_8
+def test_random_weights_built_on_the_mesh():
+    """Random parameters generated on a mesh (``random_params_device(..., mesh=)``: each leaf
+    made in the sharding the sliced loader gives its checkpoint tensor, each device computing
+    its part) are the single-device build's, placed: after ``prepare_params`` and
+    ``shard_params`` the trees are equal bit for bit, every leaf in the same sharding. On
+    (2, 2, 2) with the Engram rows split over the devices' host memory (made there, their
+    padding zeros), and on (1, 8, 1), where ``wq_b``'s FP8 rows and their E8M0 scale rows
+    split 8 ways."""
+    from dsv41_jax import checkpoint
+    from dsv41_jax.random_weights import random_params_device
+    from tree_checks import assert_trees_bitwise_equal
+
+    cfg, _ = tiny_config("shrink")
+    # an Engram table of 420 rows (4 primes from 98 up): padded to 424 over the 8 devices
+    cfg = cfg.replace(n_routed_experts=8, n_activated_experts=2, engram_vocab_size=98,
+                      engram_num_embeddings=(420,))
+    tmap = identity_token_map(cfg.vocab_size)
+    one = random_params_device(cfg, 0, tmap)
+    for shape, engram in [((2, 2, 2), "host"), ((1, 8, 1), "replicated")]:
+        mesh = sharding.make_mesh(*shape)
+        want = sharding.shard_params(model.prepare_params(one, cfg), cfg, mesh, engram=engram)
+        raw = random_params_device(cfg, 0, tmap, mesh=mesh, engram=engram)
+        layer = raw["layers"][1]
+        made = {"layers.1.attn.wq_b.weight": layer["attn"]["wq_b"]["weight"],
+                "layers.1.attn.wq_b.scale": layer["attn"]["wq_b"]["scale"],
+                "layers.1.ffn.experts.w1.weight": layer["ffn"]["experts"]["w1"]["weight"],
+                "layers.1.engram.embed.weight": layer["engram"]["embed"]["weight"]}
+        for name, x in made.items():
+            full, where = sharding.checkpoint_sharding(name, x.shape, mesh, engram=engram)
+            assert x.shape == full and x.sharding == where, (name, x.sharding)
+        spec = made["layers.1.ffn.experts.w1.weight"].sharding.spec   # [E, ...]: by expert
+        assert (tuple(spec) + (None,))[0] == ("expert" if shape[2] > 1 else None)
+        table = made["layers.1.engram.embed.weight"]
+        rows = one["layers"][1]["engram"]["embed"]["weight"].shape[0]
+        assert checkpoint.in_host_memory(table) == (engram == "host")
+        if engram == "host":      # padded to a multiple of the 8 devices, with zero rows
+            assert table.shape[0] == -(-rows // N_DEV) * N_DEV > rows
+            assert not np.asarray(table)[rows:].astype(np.float32).any()
+        got = sharding.shard_params(model.prepare_params(raw, cfg), cfg, mesh, engram=engram,
+                                    reshard=True)
+        assert_trees_bitwise_equal(want, got, f"random weights built on {shape}")
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+            assert b.sharding == a.sharding, (jax.tree_util.keystr(path), b.sharding)
+
+
+@needs_8
 def test_sliced_load_bitwise(tmp_path, monkeypatch):
     """Loading a checkpoint (two files) with a mesh reads each device's part of each tensor
     alone (every read of ``read_slice`` recorded: its bounds are a device's index of the
