@@ -489,9 +489,9 @@ def test_random_weights_built_on_the_mesh():
     made in the sharding the sliced loader gives its checkpoint tensor, each device computing
     its part) are the single-device build's, placed: after ``prepare_params`` and
     ``shard_params`` the trees are equal bit for bit, every leaf in the same sharding. On
-    (2, 2, 2) with the Engram rows split over the devices' host memory (made there, their
-    padding zeros), and on (1, 8, 1), where ``wq_b``'s FP8 rows and their E8M0 scale rows
-    split 8 ways."""
+    (1, 2, 4): ``wq_b``'s FP8 rows and their E8M0 scale rows split over ``tensor``, the
+    experts over ``expert``, the Engram rows over all 8 devices in their host memory (made
+    there, the padding zeros)."""
     from dsv41_jax import checkpoint
     from dsv41_jax.random_weights import random_params_device
     from tree_checks import assert_trees_bitwise_equal
@@ -502,7 +502,7 @@ def test_random_weights_built_on_the_mesh():
                       engram_num_embeddings=(420,))
     tmap = identity_token_map(cfg.vocab_size)
     one = random_params_device(cfg, 0, tmap)
-    for shape, engram in [((2, 2, 2), "host"), ((1, 8, 1), "replicated")]:
+    for shape, engram in [((1, 2, 4), "host")]:
         mesh = sharding.make_mesh(*shape)
         want = sharding.shard_params(model.prepare_params(one, cfg), cfg, mesh, engram=engram)
         raw = random_params_device(cfg, 0, tmap, mesh=mesh, engram=engram)
@@ -514,6 +514,7 @@ def test_random_weights_built_on_the_mesh():
         for name, x in made.items():
             full, where = sharding.checkpoint_sharding(name, x.shape, mesh, engram=engram)
             assert x.shape == full and x.sharding == where, (name, x.sharding)
+        assert made["layers.1.attn.wq_b.weight"].sharding.spec[0] == "tensor"
         spec = made["layers.1.ffn.experts.w1.weight"].sharding.spec   # [E, ...]: by expert
         assert (tuple(spec) + (None,))[0] == ("expert" if shape[2] > 1 else None)
         table = made["layers.1.engram.embed.weight"]
