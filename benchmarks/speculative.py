@@ -11,6 +11,11 @@ then ``decode_step`` and ``verify`` with
 call timed to its logits; the median counts. ``verify`` commits by its greedy rule on random
 drafts (in practice one position per call), so the state advances as in decoding.
 
+``--mesh data=D,tensor=T,expert=E`` runs both on a device mesh (docs/architecture.md,
+"Sharding"; as ``dsv41-bench-e2e --mesh``): the random weights are made on the mesh and placed
+by ``sharding.shard_params``, each batch's state by ``sharding.shard_state`` (a ``data`` axis
+above 1 fills by a prefill of every row), and ``decode_step`` / ``verify`` get ``mesh=``.
+
 **Break-even.** A speculative call emits ``t`` tokens (its accepted drafts plus the main
 model's token) for one verify and one draft; it beats plain decoding when
 ``t > (verify_ms + draft_ms) / decode_ms``. The draft head's cost is not in this benchmark
@@ -36,7 +41,8 @@ import numpy as np
 from benchmarks import config as bench_config
 from benchmarks.e2e import FILLS, fill_state
 from benchmarks.timing import write_json, xla_compiles
-from dsv41_jax import compile_cache, model, random_weights
+from dsv41_jax import compile_cache, model, random_weights, sharding
+from dsv41_jax.cli.args import mesh_spec
 
 
 def _ints(text: str) -> list[int]:
@@ -55,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the state is filled (default synthetic: random entries, no "
                         "prefill to compile; ced / exact: a prefill of that mode)")
     p.add_argument("--attn-impl", default="auto")
+    p.add_argument("--mesh", type=mesh_spec, default=None, metavar="data=D,tensor=T,expert=E",
+                   help="run on a device mesh of these axis sizes (their product: the device "
+                        "count; an axis left out is 1; docs/architecture.md, 'Sharding'); "
+                        "default: one device, no mesh")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="start no case once elapsed + the longest case so far would pass this")
@@ -106,13 +116,18 @@ def run(args) -> dict:
     cfg, _ = bench_config.e2e_config(args.config)
     if args.config == "tiny":
         args.context = min(args.context, 64)
-    params = model.prepare_params(random_weights.random_params_device(cfg, args.seed), cfg)
+    mesh = make_mesh(args.mesh)
+    params = model.prepare_params(random_weights.random_params_device(cfg, args.seed, mesh=mesh),
+                                  cfg)
+    if mesh is not None:
+        params = sharding.shard_params(params, cfg, mesh, reshard=True)
     fill_args = SimpleNamespace(headroom=args.steps * 8 + 64, fill=args.fill, chunk=None,
                                 attn_impl=args.attn_impl, seed=args.seed, fill_batch="tile",
-                                device_mesh=None)
+                                device_mesh=mesh)
     dev = jax.devices()[0]
     res = {"benchmark": "verify", "config_name": args.config, "device": dev.device_kind,
-           "jax_version": jax.__version__, "context": args.context, "rows": [], "skipped": []}
+           "jax_version": jax.__version__, "context": args.context,
+           "mesh": None if mesh is None else dict(mesh.shape), "rows": [], "skipped": []}
     longest = 0.0
     for B in args.batches:
         state, info = fill_state(params, cfg, args.context, B, fill_args)
@@ -124,8 +139,9 @@ def run(args) -> dict:
             """One ``decode_step`` (k = 0) or ``verify`` of k drafts: ``(logits, state)``."""
             if kind == "decode":
                 return model.decode_step(params, cfg, state, tokens[:, 0],
-                                         attn_impl=args.attn_impl)
-            lg, _, state = model.verify(params, cfg, state, tokens, attn_impl=args.attn_impl)
+                                         attn_impl=args.attn_impl, mesh=mesh)
+            lg, _, state = model.verify(params, cfg, state, tokens, attn_impl=args.attn_impl,
+                                        mesh=mesh)
             return lg, state
 
         def timed_call(kind, k):
@@ -174,11 +190,40 @@ def run(args) -> dict:
     return res
 
 
+def check_mesh_args(args) -> None:
+    """Refuse (``SystemExit`` naming ``--mesh``) a ``--mesh`` whose ``expert`` size does not
+    divide the config's routed experts or whose ``data`` size does not divide a batch of
+    ``--batches`` (before JAX starts)."""
+    if args.mesh is None:
+        return
+    cfg, _ = bench_config.e2e_config(args.config)
+    dp, ep = args.mesh["data"], args.mesh["expert"]
+    if cfg.n_routed_experts % ep:
+        raise SystemExit(f"dsv41-bench-verify: error: argument --mesh: the config's "
+                         f"{cfg.n_routed_experts} routed experts do not divide by expert={ep}")
+    bad = [b for b in args.batches if b % dp]
+    if bad:
+        raise SystemExit(f"dsv41-bench-verify: error: argument --mesh: batch {bad[0]} does not "
+                         f"divide by data={dp} (--batches)")
+
+
+def make_mesh(sizes: dict | None):
+    """The device mesh of ``--mesh``'s axis sizes (None: no mesh); ``SystemExit`` naming
+    ``--mesh`` when the devices do not match (:func:`dsv41_jax.sharding.make_mesh`)."""
+    if sizes is None:
+        return None
+    try:
+        return sharding.make_mesh(**sizes)
+    except ValueError as e:
+        raise SystemExit(f"dsv41-bench-verify: error: argument --mesh: {e}") from None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("batches", "drafts"):
         if not getattr(args, name) or min(getattr(args, name)) < 1:
             raise SystemExit(f"dsv41-bench-verify: error: --{name} must list integers >= 1")
+    check_mesh_args(args)
     res = run(args)
     print(json.dumps({"rows": [{"batch": r["batch"], "cases": r["cases"]} for r in res["rows"]]},
                      indent=1)[:4000])

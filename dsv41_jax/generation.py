@@ -304,10 +304,10 @@ def draft_count(confidence: Float[Array, "B K"], threshold: float, kmax: int
 
 def _spec_loop(params, state, logits, eos, key, *, cfg: ModelConfig, sampling: SamplingParams,
                max_new_tokens: int, k: int, auto: bool, threshold: float, attn_impl: str,
-               draft=None) -> SpeculativeResult:
+               draft=None, mesh=None) -> SpeculativeResult:
     """Speculative generation as one traceable function (see :func:`generate_speculative`)."""
     draft = draft or model.draft_fn(cfg, sampling=sampling)
-    verify = model.verify_fn(cfg, attn_impl=attn_impl)
+    verify = model.verify_fn(cfg, attn_impl=attn_impl, mesh=mesh)
     params = model.prepare_params(params, cfg)
     B, N = logits.shape[0], max_new_tokens
     key, sub = jax.random.split(key)
@@ -384,7 +384,7 @@ def _spec_loop(params, state, logits, eos, key, *, cfg: ModelConfig, sampling: S
 
 _spec_jit = jax.jit(_spec_loop,
                     static_argnames=("cfg", "sampling", "max_new_tokens", "k", "auto",
-                                     "threshold", "attn_impl", "draft"),
+                                     "threshold", "attn_impl", "draft", "mesh"),
                     donate_argnames=("state",))
 
 
@@ -392,7 +392,7 @@ def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tok
                          drafts: int | str | None = None,
                          sampling: SamplingParams = SamplingParams(), eos_ids=(), seed: int = 0,
                          confidence_threshold: float = 0.5, attn_impl: str = "auto",
-                         draft=None) -> SpeculativeResult:
+                         draft=None, mesh=None) -> SpeculativeResult:
     """Generation with DSpark speculation, on the device (docs/architecture.md, "Speculative
     generation"): each loop iteration drafts tokens after each row's latest token
     (:func:`dsv41_jax.model.draft`, sampled with ``sampling``), verifies them in one
@@ -419,15 +419,26 @@ def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tok
         ``probabilities(logits, sampling)``; without, they count as deterministic.
         ``drafts="auto"`` needs the confidence (else ``ValueError`` when the loop is traced,
         before it runs).
+      mesh: a device mesh (:func:`dsv41_jax.sharding.make_mesh`) to run on, or None (one
+        device), as in :func:`generate`: the parameters placed by
+        :func:`~dsv41_jax.sharding.shard_params`, the state by
+        :func:`~dsv41_jax.sharding.shard_state`, the logits split by rows over ``data``
+        (docs/architecture.md, "Sharding"). The verify steps run the main model as
+        :func:`dsv41_jax.model.verify` does on the mesh (routed experts expert parallel); the
+        DSpark head, whose parameters the table replicates, runs where the compiler puts it
+        (its experts are never split over ``expert``). The returned state stays on the mesh.
 
     A row that is done keeps committing one position per call. Needs room for ``pos +
     max_new_tokens + k`` tokens (``k``: the most drafts).
 
-    Returns :class:`SpeculativeResult`; its state holds, per row, every emitted token but the
-    last (a row's last emitted token is the next input), plus one position per call after the
-    row was done. Raises ``ValueError`` (nothing runs; the state untouched) for a config,
-    state or params without DSpark, ``drafts`` out of range, a ``confidence_threshold``
-    outside [0, 1], or what :func:`generate` refuses.
+    Returns :class:`SpeculativeResult` (tokens int32 [B, max_new_tokens] padded with -1,
+    lengths, accepted, row_calls, drafted int32 [B], calls int32 []); its state holds, per
+    row, every emitted token but the last (a row's last emitted token is the next input), plus
+    one position per call after the row was done. Raises ``ValueError`` (nothing runs; the
+    state untouched) for a config, state or params without DSpark, ``drafts`` out of range, a
+    ``confidence_threshold`` outside [0, 1], or what :func:`generate` refuses (a ``mesh`` not
+    of :func:`~dsv41_jax.sharding.make_mesh`, whose ``data`` axis does not divide the batch
+    or whose ``expert`` axis does not divide the routed experts included).
     """
     if draft is None and (not cfg.dspark_on or state.dspark is None or "dspark" not in params):
         raise ValueError("speculative generation needs DSpark: a config with it on, its state "
@@ -462,13 +473,18 @@ def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tok
                          f"{int(pos[b])} tokens and the state's capacity is {cap}, so at most "
                          f"{cap - int(pos[b]) - k} new tokens fit")
     eos = _checked_eos(eos_ids, cfg)
-    model.verify_fn(cfg, attn_impl=attn_impl)   # raises ValueError for an unknown attn_impl
+    # raises ValueError for an unknown attn_impl or a bad mesh
+    model.verify_fn(cfg, attn_impl=attn_impl, mesh=mesh)
+    model._check_mesh(cfg, mesh, B)
+    params, state = model._placed(params, cfg, state, mesh)
+    logits = sharding.batch_sharded(jnp.asarray(logits, F32), mesh)
     eos_arr = np.full((max(8, -(-len(eos) // 8) * 8),), -1, np.int32)
     eos_arr[:len(eos)] = eos
-    return _spec_jit(model.prepare_params(params, cfg), state, jnp.asarray(logits, F32),
-                     jnp.asarray(eos_arr), jax.random.key(int(seed)), cfg=cfg,
-                     sampling=sampling, max_new_tokens=int(max_new_tokens), k=int(k),
-                     auto=auto, threshold=float(t), attn_impl=attn_impl, draft=draft)
+    res = _spec_jit(params, state, logits, jnp.asarray(eos_arr), jax.random.key(int(seed)),
+                    cfg=cfg, sampling=sampling, max_new_tokens=int(max_new_tokens), k=int(k),
+                    auto=auto, threshold=float(t), attn_impl=attn_impl, draft=draft, mesh=mesh)
+    sharding.mark_placed(res.state, mesh)
+    return res
 
 
 def speculative_stats(res: SpeculativeResult) -> dict:

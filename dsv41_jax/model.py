@@ -966,8 +966,9 @@ _draft_jit = jax.jit(_draft_impl, static_argnames=("cfg", "sampling", "moe_impl"
 def draft_fn(cfg: ModelConfig, *, sampling=None, moe_impl: str = "auto"):
     """A pure, traceable DSpark draft ``draft(params, state, t_next int32 [B], key) -> (ids,
     logits, confidence)`` as :func:`draft` returns them, for loops that stay on the device (no
-    host checks). Raises ``ValueError`` for a config without DSpark or an unknown
-    ``moe_impl``."""
+    host checks). On a mesh it takes no mesh argument: it runs on the placed parameters and
+    state as the compiler partitions it, as :func:`draft` does. Raises ``ValueError`` for a
+    config without DSpark or an unknown ``moe_impl``."""
     if not cfg.dspark_on:
         raise ValueError("the config has DSpark off (dspark_block_size 0 or no mtp stage)")
     sampling = sampling or SamplingParams()
@@ -995,6 +996,13 @@ def draft(params, cfg: ModelConfig, state, t_next, *, sampling=None, key=None,
 
     Returns ``(ids int32 [B, bs + 1] = [t_next, drafts...], logits fp32 [B, bs, V] after the
     Markov bias, confidence fp32 [B, bs] raw logits)``. The state is read, not changed.
+
+    On a mesh (docs/architecture.md, "Sharding"): there is no ``mesh`` argument; given the
+    parameters and the state placed (:func:`dsv41_jax.sharding.shard_params` /
+    :func:`~dsv41_jax.sharding.shard_state`, as :func:`verify` leaves them) the draft runs
+    where they lie, as the compiler partitions it: the DSpark head's parameters are replicated
+    by the table (``mtp.*`` match no rule), so its own MoE runs on every device (never split
+    over ``expert``), the rows follow the state's split over ``data``.
 
     Raises ``ValueError`` for a config or state without DSpark, params without the DSpark
     head (``mtp.*``), ``t_next`` not [B] or outside the vocabulary, a state with no position
@@ -1105,23 +1113,28 @@ def _verify_impl(params, tokens, state, accept, compat, *, static: Static, max_a
         a = accept
     if max_accept is not None:
         a = jnp.clip(jnp.minimum(a, max_accept), 1, S)
-    return out.all_logits, a, _rollback(params, static.cfg, state, new, tokens, a)
+    state = _rollback(params, static.cfg, state, new, tokens, a)
+    return out.all_logits, a, sharding.constrain_state(state, static.mesh)
 
 
 _verify_jit = jax.jit(_verify_impl, static_argnames=("static",), donate_argnames=("state",))
 
 
 def verify_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
-              moe_impl: str = "auto"):
+              moe_impl: str = "auto", mesh=None):
     """A pure, traceable :func:`verify` ``fn(params, state, tokens int32 [B, k + 1], accept
-    int32 [B] or None, max_accept int32 [B] or None) -> (logits, accept, state)`` for loops
-    that stay on the device (no host checks); ``max_accept`` caps the acceptance (e.g. 1 for
-    rows that are done). ``accept`` may also be a traceable rule ``(logits fp32 [B, k + 1, V])
-    -> int32 [B]`` in ``1 .. k + 1``, applied to this call's logits before the rollback (the
-    sampled acceptance of :func:`dsv41_jax.generation.generate_speculative`). Raises
-    ``ValueError`` for an unknown ``attn_impl`` or ``moe_impl``."""
+    int32 [B] or None, max_accept int32 [B] or None) -> (logits fp32 [B, k + 1, V], accept
+    int32 [B], state)`` for loops that stay on the device (no host checks); ``max_accept``
+    caps the acceptance (e.g. 1 for rows that are done). ``accept`` may also be a traceable
+    rule ``(logits fp32 [B, k + 1, V]) -> int32 [B]`` in ``1 .. k + 1``, applied to this
+    call's logits before the rollback (the sampled acceptance of
+    :func:`dsv41_jax.generation.generate_speculative`). ``mesh``: as in :func:`decode_fn`
+    (nothing is placed; the returned state is constrained to the state's shardings;
+    docs/architecture.md, "Sharding"). Raises ``ValueError`` for an unknown ``attn_impl`` or
+    ``moe_impl``, or a mesh not of :func:`~dsv41_jax.sharding.make_mesh`, or whose
+    ``expert`` axis does not divide the routed experts."""
     static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl),
-                    moe_impl=_check_moe_impl(moe_impl))
+                    moe_impl=_check_moe_impl(moe_impl), mesh=_check_mesh(cfg, mesh, None))
     compat = jnp.asarray(compat_stale_index_k)
 
     def fn(params, state, tokens, accept=None, max_accept=None):
@@ -1139,7 +1152,8 @@ def max_drafts(cfg: ModelConfig) -> int:
 
 
 def verify(params, cfg: ModelConfig, state, tokens, accept=None, *,
-           compat_stale_index_k: bool = False, attn_impl: str = "auto", moe_impl: str = "auto"):
+           compat_stale_index_k: bool = False, attn_impl: str = "auto", moe_impl: str = "auto",
+           mesh=None):
     """The main model over ``k + 1`` positions per row in one call (the last accepted token
     and ``k`` drafts), committing only an accepted prefix (docs/architecture.md, "Verify and
     rollback").
@@ -1150,6 +1164,12 @@ def verify(params, cfg: ModelConfig, state, tokens, accept=None, *,
       accept: int [B] in ``1 .. k + 1``, the positions to commit per row; ``None``: the greedy
         rule (:func:`greedy_acceptance`) on this call's logits, on the device.
       compat_stale_index_k, attn_impl, moe_impl: as in :func:`prefill`.
+      mesh: a device mesh (:func:`dsv41_jax.sharding.make_mesh`) to run on, or None (one
+        device), as in :func:`prefill`: the parameters placed by
+        :func:`~dsv41_jax.sharding.shard_params` (the DSpark head's replicated), the state by
+        :func:`~dsv41_jax.sharding.shard_state` (arrays already in place stay), the tokens and
+        ``accept`` split by rows over ``data``; the main model's routed experts run expert
+        parallel (docs/architecture.md, "Sharding"). The returned state stays on the mesh.
 
     Returns ``(logits fp32 [B, k + 1, V], accept int32 [B], state)``: the logits of every
     position, and the state (donated) as if only the first ``accept[b]`` tokens of each row
@@ -1159,7 +1179,9 @@ def verify(params, cfg: ModelConfig, state, tokens, accept=None, *,
 
     Raises ``ValueError`` (the state untouched) for tokens not [B, k + 1] with the state's
     batch, ``k`` of 0 or above :func:`max_drafts`, a token outside the vocabulary, a verify
-    past the state's capacity (``pos + k + 1``), ``accept`` not [B] or outside ``1 .. k + 1``.
+    past the state's capacity (``pos + k + 1``), ``accept`` not [B] or outside ``1 .. k + 1``,
+    a ``mesh`` not of :func:`~dsv41_jax.sharding.make_mesh`, whose ``data`` axis does not
+    divide the batch or whose ``expert`` axis does not divide the routed experts.
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
@@ -1182,12 +1204,13 @@ def verify(params, cfg: ModelConfig, state, tokens, accept=None, *,
             raise ValueError(f"accept must be in [1, {S}] (k + 1 = {S}), got "
                              f"{accept.tolist()}")
     static = Static(cfg, False, False, *kernel_impls(cfg, attn_impl),
-                    moe_impl=_check_moe_impl(moe_impl))
-    params = prepare_params(params, cfg)
+                    moe_impl=_check_moe_impl(moe_impl), mesh=_check_mesh(cfg, mesh, B))
     pos = host_positions(state)
-    logits, a, state = _verify_jit(params, jnp.asarray(tokens, jnp.int32), state,
-                                   None if accept is None else jnp.asarray(accept, jnp.int32),
+    params, state = _placed(params, cfg, state, mesh)
+    rows = lambda x: sharding.batch_sharded(jnp.asarray(x, jnp.int32), mesh)  # noqa: E731
+    logits, a, state = _verify_jit(params, rows(tokens), state,
+                                   None if accept is None else rows(accept),
                                    jnp.asarray(compat_stale_index_k), static=static)
     if accept is not None:
         state = _with_host_positions(state, pos + accept)
-    return logits, a, state
+    return logits, a, sharding.mark_placed(state, mesh)

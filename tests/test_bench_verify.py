@@ -54,3 +54,26 @@ def test_synthetic_fill_is_the_default(tmp_path):
     assert row["precompile_xla_compiles"] >= 2
     assert set(row["precompile_s"]) == {"decode", "verify2", "all"}
     assert all(c["xla_compiles"] == 0 for c in row["cases"])
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--mesh", "tensor"], "argument --mesh: 'tensor' is not axis=size (e.g. 'tensor=2')"),
+    (["--mesh", "data=0"], "argument --mesh: the size of 'data' must be an integer >= 1, got 0"),
+    (["--mesh", "expert=3"], "argument --mesh: the config's 4 routed experts do not divide by "
+                             "expert=3"),
+    (["--mesh", "data=2", "--batches", "2,3"], "argument --mesh: batch 3 does not divide by "
+                                               "data=2 (--batches)"),
+    (["--mesh", "tensor=2,expert=4"], "argument --mesh: mesh (data=1, tensor=2, expert=4) "
+                                      "needs 8 devices but 1 were given"),
+])
+def test_mesh_refusals(argv, msg, tmp_path, capsys):
+    """``--mesh``: a spec that does not parse (argparse, status 2), experts or a batch the
+    mesh does not divide, a mesh of another device count: refused naming ``--mesh``, before
+    any weights are made or anything compiles."""
+    with pytest.raises(SystemExit) as e:
+        speculative.main(["--config", "tiny", "--batches", "2", "--out", str(tmp_path / "v.json"),
+                          *argv])
+    text = str(e.value.code) + capsys.readouterr().err
+    assert msg in text
+    assert not (tmp_path / "v.json").exists()
+

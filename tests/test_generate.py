@@ -326,13 +326,15 @@ def test_generate_speculative_end_to_end(tmp_path, capsys):
 
 
 def test_speculative_refusals_naming_the_head(tmp_path, capsys):
-    """--drafts above the block size, --speculative with --mesh, and a checkpoint whose files
-    ship no mtp.* tensor (read from the headers, nothing loaded) are refused (status 2)."""
+    """--drafts above the block size and a checkpoint whose files ship no mtp.* tensor (read
+    from the headers, nothing loaded) are refused (status 2); --speculative with --mesh is
+    taken (the loop runs on the mesh: generation.generate_speculative(mesh=),
+    tests/test_sharding.py)."""
     cfg = _spec_config(tmp_path)
     assert "argument --drafts: at most 2 (the DSpark block size), got 3" in _refused(
         ["--config", cfg, "--speculative", "--drafts", "3"], capsys)
-    assert "argument --speculative: not with --mesh" in _refused(
-        ["--config", cfg, "--speculative", "--mesh", "data=1"], capsys)
+    args, _ = generate.parse_args(["--config", cfg, "--speculative", "--mesh", "data=1"])
+    assert args.speculative and args.mesh == {"data": 1, "tensor": 1, "expert": 1}
     ck = tmp_path / "ckpt"
     ck.mkdir()
     (ck / "config.json").write_text(open(cfg).read())

@@ -1,16 +1,17 @@
 """Tensor, expert and data parallelism over a device mesh (docs/architecture.md, "Sharding"):
-the sharded prefill and decode, generation loop and forward against the single-device ones, the
-MoE's expert parallelism on its own, the placement table, and the ``ValueError`` s of bad
-meshes.
+the sharded prefill and decode, generation loop, speculative generation (DSpark drafts and
+``verify``) and forward against the single-device ones, the MoE's expert parallelism on its
+own, the placement table, and the ``ValueError`` s of bad meshes.
 
 The sharded checks need 8 devices: on the CPU, ``--xla_force_host_platform_device_count=8``,
 which must be in ``XLA_FLAGS`` before JAX starts its backend. When this module is run in a
 process with fewer devices (the usual test run), :func:`test_sharded_in_subprocess` runs the
 module again in a subprocess with the flag set, and the 8-device tests skip in the parent.
-Slow: about 4-5 minutes on 2 CPU cores, nearly all of it compiling (the single-device
+Slow: about 5-6 minutes on 2 CPU cores, nearly all of it compiling (the single-device
 reference and four meshes, a prefill and a decode step each, on the smallest config with every
 layer role; the generation loop on the four meshes, ~15 s each; ``forward`` on one mesh and one
-device, ~20 s; the MoE checks take 15 s; the orbax round trip 7 s; the sliced loading 12 s).
+device, ~20 s; the speculative loop on two meshes and one device, with a ``verify`` each
+side, ~70 s; the MoE checks take 15 s; the orbax round trip 7 s; the sliced loading 12 s).
 """
 
 from __future__ import annotations
@@ -131,6 +132,52 @@ def test_value_errors_on_8_devices():
     other = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     with pytest.raises(ValueError, match="mesh axes must be"):
         model.decode_step({}, cfg, state, np.zeros(3, np.int32), mesh=other)
+    # speculative generation: verify, verify_fn, generate_speculative
+    from dsv41_jax.draft_training import with_dspark
+    spec = with_dspark(cfg, stages=1, block_size=2, markov_rank=16, noise_token_id=0)
+    _refuse_speculative(spec, st.init_state(spec, 3, 8), mesh,
+                        "batch 3 does not divide by the mesh's data axis")
+    _refuse_speculative(spec.replace(n_routed_experts=6, n_activated_experts=2),
+                        st.init_state(spec, 2, 8), sharding.make_mesh(tensor=2, expert=4),
+                        "n_routed_experts=6 does not divide")
+    _refuse_speculative(spec, st.init_state(spec, 2, 8), other, "mesh axes must be")
+
+
+def _refuse_speculative(cfg, state, mesh, match):
+    """``verify`` and ``generate_speculative`` (and ``verify_fn`` for a mesh that is bad
+    whatever the batch) on ``mesh`` raise ``ValueError`` matching ``match`` before anything
+    runs: the state neither changed nor donated."""
+    from tree_checks import assert_trees_bitwise_equal
+    B = state.batch
+    before = jax.tree.map(np.asarray, state)
+    with pytest.raises(ValueError, match=match):
+        model.verify({}, cfg, state, np.zeros((B, 2), np.int32), mesh=mesh)
+    with pytest.raises(ValueError, match=match):
+        model.verify({}, cfg, state, np.zeros((B, 2), np.int32), np.ones(B, np.int32),
+                     mesh=mesh)
+    with pytest.raises(ValueError, match=match):
+        generation.generate_speculative({"dspark": {}}, cfg, state,
+                                        np.zeros((B, cfg.vocab_size), np.float32),
+                                        max_new_tokens=1, drafts=1, mesh=mesh)
+    if "batch" not in match:
+        with pytest.raises(ValueError, match=match):
+            model.verify_fn(cfg, mesh=mesh)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(state))
+    assert_trees_bitwise_equal(jax.tree.map(np.asarray, state), before, "state after refusals")
+
+
+def test_speculative_mesh_value_errors():
+    """``verify``, ``verify_fn`` and ``generate_speculative`` refuse a mesh that is not a
+    :class:`jax.sharding.Mesh` or has other axes than :func:`sharding.make_mesh`'s, before
+    anything runs (the data and expert axes: :func:`test_value_errors_on_8_devices`)."""
+    from dsv41_jax.draft_training import with_dspark
+    cfg = with_dspark(tiny_config("drop")[0], stages=1, block_size=2, markov_rank=16,
+                      noise_token_id=0)
+    state = st.init_state(cfg, 2, 8)
+    other = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                          devices=jax.devices()[:1])
+    _refuse_speculative(cfg, state, other, "mesh axes must be")
+    _refuse_speculative(cfg, state, "data=1", "mesh must be a jax.sharding.Mesh")
 
 
 # ----------------------------------------------------------------------------- the table
@@ -415,6 +462,117 @@ def test_sharded_forward_bitwise(tiny):
             np.testing.assert_array_equal(np.asarray(s)[b:b + 1], np.asarray(a),
                                           err_msg=f"row {b} {name}")
             assert s.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), s.ndim), name
+
+
+# ----------------------------------------------------------------------------- speculative
+
+SPEC_TOKENS, SPEC_DRAFTS = 7, 3
+#: the speculative loop's meshes (each costs a compilation of the loop, ~15 s on 2 cores):
+#: the DSpark drafts on (1, 2, 4) (expert parallel, the head's 4 experts replicated although
+#: the expert axis would divide them), an oracle draft on (2, 2, 2) (rows split over data,
+#: accepting different numbers of drafts)
+SPEC_MESHES = ((1, 2, 4), (2, 2, 2))
+
+
+@pytest.fixture(scope="module")
+def tiny_dspark(tiny):
+    """The tiny config of :func:`tiny` with a DSpark head (one stage, blocks of
+    ``SPEC_DRAFTS``, targets 3-5, the head's own 4 experts), its parameters, 2 prompts."""
+    from dsv41_jax.draft_training import with_dspark
+    from dsv41_jax.random_weights import random_params_device
+    cfg, _, tokens, lengths, _ = tiny
+    cfg = with_dspark(cfg, stages=1, block_size=SPEC_DRAFTS, markov_rank=16, experts=(4, 2),
+                      noise_token_id=cfg.vocab_size - 1)
+    params = model.prepare_params(random_params_device(cfg, 0, identity_token_map(
+        cfg.vocab_size)), cfg)
+    return cfg, params, tokens[:2], lengths[:2]
+
+
+def _speculative(cfg, params, prefilled, *, mesh=None, draft=None):
+    """Greedy speculative generation after the one-device prefill ``prefilled`` = ``(logits,
+    state)`` (a copy of its state: the loop donates the state it is given; on a mesh
+    ``generate_speculative`` places the copy)."""
+    logits, state = prefilled
+    return generation.generate_speculative(params, cfg, jax.tree.map(jnp.copy, state), logits,
+                                           mesh=mesh, max_new_tokens=SPEC_TOKENS, draft=draft)
+
+
+def _oracle_draft(cfg, plain, lengths):
+    """A draft of the greedy continuation ``plain`` [B, N] (prompt lengths ``lengths``) with
+    every third position of each row (shifted per row) the DSpark head's draft instead (almost
+    surely wrong): calls accept 0 to ``SPEC_DRAFTS`` drafts, differently per row; the DSpark
+    head runs in every call."""
+    dspark = model.draft_fn(cfg)
+    B, N = plain.shape
+    table = jnp.asarray(np.concatenate([plain, np.zeros((B, N + SPEC_DRAFTS), np.int32)], 1))
+    n0 = jnp.asarray(lengths, jnp.int32)
+
+    def draft(params, state, last, key):
+        ids, logits, confidence = dspark(params, state, last, key)
+        # draft j: token 1 + j of the continuation after the row's last input
+        at = jnp.clip(state.pos - n0 + 1, 0, N + 1)[:, None] + jnp.arange(SPEC_DRAFTS)[None, :]
+        ours = (at + jnp.arange(B)[:, None]) % 3 == 2
+        pick = jnp.where(ours, ids[:, 1:], jnp.take_along_axis(table, at, axis=1))
+        return jnp.concatenate([last[:, None], pick], axis=1), logits, confidence
+    return draft
+
+
+@needs_8
+def test_sharded_speculative_bitwise(tiny_dspark):
+    """Greedy :func:`generation.generate_speculative` (the DSpark draft head, ``verify`` and
+    the rollback in one compiled loop) on two meshes against one device: the tokens, the
+    counts (calls, accepted, drafted) and every state array equal bit for bit, the state left
+    split by rows; the DSpark head's parameters stay replicated (no rule names ``mtp.*``), so
+    its MoE never takes the expert-parallel path. With the DSpark drafts (untrained: nothing
+    accepted, every call rolls ``SPEC_DRAFTS`` positions back) on (1, 2, 4), the Engram rows
+    in host memory; with an oracle draft (:func:`_oracle_draft`: the rows accept different
+    numbers of drafts, partial blocks rolled back) on (2, 2, 2), the Engram rows split.
+    Bitwise for the reasons of :func:`test_sharded_prefill_decode_bitwise`; the reference runs
+    the same batch of 2 on one device (the loop's calls depend on the batch: a row that is
+    done keeps committing), whose rows the data-2 mesh splits one per device: on the CPU the
+    verify's ``2 x (k + 1)``-row and ``k + 1``-row GEMMs agree bitwise here, which this checks."""
+    cfg, params, tokens, lengths = tiny_dspark
+    out, state = model.prefill(params, cfg, tokens, st.init_state(cfg, 2, CAPACITY), lengths)
+    prefilled = (out.logits, state)
+    ref = _speculative(cfg, params, prefilled)
+    plain = np.asarray(ref.tokens)
+    assert (np.asarray(ref.lengths) == SPEC_TOKENS).all() and len(set(plain.ravel())) > 2
+    oracle = _oracle_draft(cfg, plain, lengths)
+    ref_oracle = _speculative(cfg, params, prefilled, draft=oracle)
+    np.testing.assert_array_equal(np.asarray(ref_oracle.tokens), plain)   # greedy: the same
+    accepted = np.asarray(ref_oracle.accepted) - np.asarray(ref_oracle.row_calls)
+    assert int(ref_oracle.calls) < int(ref.calls) and (accepted > 0).all() and (
+        accepted < np.asarray(ref_oracle.drafted)).all(), (int(ref_oracle.calls), accepted)
+    for shape, draft, want in ((SPEC_MESHES[0], None, ref), (SPEC_MESHES[1], oracle, ref_oracle)):
+        mesh, sp = _shard_params(params, cfg, shape)
+        assert any(k.startswith("dspark/stages/0/ffn/experts") for k, _ in
+                   ((jax.tree_util.keystr(p, simple=True, separator="/"), v)
+                    for p, v in jax.tree_util.tree_leaves_with_path(sp)))
+        assert not [k for k, _, _ in sharding.describe(sp, mesh) if k.startswith("dspark")]
+        res = _speculative(cfg, sp, prefilled, mesh=mesh, draft=draft)
+        for name in ("tokens", "lengths", "calls", "accepted", "row_calls", "drafted"):
+            np.testing.assert_array_equal(np.asarray(getattr(res, name)),
+                                          np.asarray(getattr(want, name)),
+                                          err_msg=f"{shape} {name}")
+        assert sharding.placed_on(res.state) is mesh
+        for (path, a), (_, b) in zip(_state_leaves(want.state), _state_leaves(res.state)):
+            name = jax.tree_util.keystr(path)
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{shape} {name}")
+            spec = P("data") if shape[0] > 1 else P()
+            assert b.sharding.is_equivalent_to(NamedSharding(mesh, spec), b.ndim), (name, shape)
+    # model.verify itself on the last mesh, after the loop (its state already in place), a
+    # given acceptance per row: the logits and the state of one device's verify
+    block = np.asarray(plain[:, :SPEC_DRAFTS + 1])
+    accept = np.array([2, 3], np.int32)
+    want = model.verify(params, cfg, jax.tree.map(jnp.copy, ref_oracle.state), block, accept)
+    got = model.verify(sp, cfg, res.state, block, accept, mesh=mesh)
+    assert sharding.placed_on(got[2]) is mesh
+    np.testing.assert_array_equal(model.host_positions(got[2]),
+                                  np.asarray(ref_oracle.state.pos) + accept)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want),
+                            jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a),
+                                      err_msg=f"verify {jax.tree_util.keystr(path)}")
 
 
 @needs_8

@@ -18,7 +18,8 @@ pinned host memory; ``--converted DIR`` saves the converted parameters with orba
 and restores them on the next ones straight into the mesh's shardings, skipping the checkpoint
 reading and the load-time conversions. ``--speculative`` drafts with the DSpark head and
 verifies the drafts in one main-model call each (:func:`dsv41_jax.generation.generate_speculative`;
-the same distribution of tokens, greedy or sampled) and reports the acceptance length.
+the same distribution of tokens, greedy or sampled; with ``--mesh`` too) and reports the
+acceptance length.
 
 The decoding runs on the device in one compiled loop (:func:`dsv41_jax.generation.generate`)
 and stops a row at ``<｜end▁of▁sentence｜>`` unless ``--no-eos``. ``--prompts-file`` runs one
@@ -359,9 +360,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
 
 def _check_speculative(ap: argparse.ArgumentParser, args: argparse.Namespace,
                        cfg: ModelConfig) -> None:
-    """Refuse (``ap.error``) the speculative options without ``--speculative``, with
-    ``--mesh``, a ``--drafts`` above the block size, a config without DSpark or a checkpoint
-    that does not ship its head (``mtp.*``, from the files' headers)."""
+    """Refuse (``ap.error``) the speculative options without ``--speculative``, a
+    ``--drafts`` above the block size, a config without DSpark or a checkpoint that does not
+    ship its head (``mtp.*``, from the files' headers). With ``--mesh`` the speculative loop
+    runs on the mesh (:func:`dsv41_jax.generation.generate_speculative`)."""
     if not args.speculative:
         for opt, v in (("--drafts", args.drafts),
                        ("--confidence-threshold", args.confidence_threshold)):
@@ -370,9 +372,6 @@ def _check_speculative(ap: argparse.ArgumentParser, args: argparse.Namespace,
         return
     if args.confidence_threshold is not None and args.drafts != "auto":
         ap.error("argument --confidence-threshold: only with --drafts auto")
-    if args.mesh is not None:
-        ap.error("argument --speculative: not with --mesh (speculative generation runs on one "
-                 "device)")
     if not cfg.dspark_on:
         ap.error(f"argument --speculative: the config has no DSpark draft head (n_mtp_layers "
                  f"{cfg.n_mtp_layers}, dspark_block_size {cfg.dspark_block_size})")
@@ -471,7 +470,7 @@ def _run_generation(params, cfg, state, logits, args: argparse.Namespace, sampli
         return generation.generate_speculative(
             params, cfg, state, logits, max_new_tokens=args.max_new_tokens, drafts=args.drafts,
             sampling=sampling, eos_ids=eos, seed=args.seed,
-            confidence_threshold=0.5 if t is None else t)
+            confidence_threshold=0.5 if t is None else t, mesh=mesh)
     return generation.generate(params, cfg, state, logits, max_new_tokens=args.max_new_tokens,
                                sampling=sampling, eos_ids=eos, seed=args.seed, mesh=mesh)
 
