@@ -397,6 +397,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "--mesh (scripts/plan_memory.py says which fits)")
     if args.engram != "replicated" and args.mesh is None:
         ap.error(f"argument --engram: {args.engram} places the tables over a mesh; pass --mesh")
+    if args.engram != "replicated" and not args.cfg.engram_layer_ids:
+        ap.error(f"argument --engram: the {args.config} config has no Engram tables")
     if args.mesh is not None:
         dp, ep = args.mesh["data"], args.mesh["expert"]
         if args.cfg.n_routed_experts % ep:
@@ -1229,7 +1231,8 @@ def benchmark(args) -> dict:
         try:
             args.device_mesh = sharding.make_mesh(**args.mesh)
         except ValueError as e:
-            raise SystemExit(f"dsv41-bench-e2e: error: argument --mesh: {e}") from None
+            print(f"dsv41-bench-e2e: error: argument --mesh: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     dev = jax.devices()[0]
     results.update(device=str(dev), device_kind=dev.device_kind, platform=dev.platform,
                    kernel_impls=list(model.kernel_impls(cfg, args.attn_impl)))
@@ -1239,6 +1242,9 @@ def benchmark(args) -> dict:
           f"{plan.decoder_start}), {cfg.n_routed_experts} routed experts (top "
           f"{cfg.n_activated_experts}) x {cfg.moe_inter_dim}, vocabulary {cfg.vocab_size:,}; "
           f"attn_impl {args.attn_impl!r} -> {results['kernel_impls']}", flush=True)
+    if args.device_mesh is not None:
+        print(f"mesh: {dict(args.device_mesh.shape)} over {args.device_mesh.size} devices, "
+              f"Engram tables {args.engram}", flush=True)
     small = args.config == "tiny" or dev.platform == "cpu"
     t0 = time.perf_counter()
     roof = roofline(3, copy_bytes=1 << 24, matmul_n=512) if small else roofline(5)

@@ -196,6 +196,9 @@ def test_peer_plumbing(tmp_path):
      "argument --mesh: decode batch 3 does not divide by data=2"),
     (["--mesh", "expert=3"], "argument --mesh: the config's 4 routed experts do not divide"),
     (["--engram", "host"], "argument --engram: host places the tables over a mesh; pass --mesh"),
+    (["--engram", "sharded", "--mesh", "expert=1"],
+     "argument --engram: the tiny config has no Engram tables"),
+    (["--mesh", "expert=2"], "argument --mesh: mesh (data=1, tensor=1, expert=2) needs 2"),
     (["--engram", "attic"], "argument --engram: invalid choice: 'attic'"),
 ])
 def test_bench_e2e_refuses(argv, match, capsys):
