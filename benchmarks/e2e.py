@@ -8,8 +8,9 @@ Rows (each with its own static shapes; every row's first call compiles and is ti
 * **decode** ``batch`` x ``context``: a state filled with ``context`` tokens (a ``--fill``
   prefill of one row, tiled to ``batch`` rows; ``--fill-batch prefill`` prefills every row),
   then :func:`dsv41_jax.model.decode_step` calls back to back (``--warmup-steps``, then
-  ``--steps`` timed one by one until their logits are ready: ms per step = the median), and,
-  when ``dsv41_jax.generation.generate`` exists, the same number of tokens through that
+  ``--steps`` timed one by one until their logits are ready: ms per step = the median;
+  then ``--steps`` more queued back to back with one sync at the end: ``ms_per_step_queued``),
+  and, when ``dsv41_jax.generation.generate`` exists, the same number of tokens through that
   on-device loop (null otherwise).
 
 * **moe** ``--moe-rows`` (``--rows moe``; not in the default rows): the routed experts' FP4
@@ -362,11 +363,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, (big, tiny) in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, tiny if small else big)
-    need = args.warmup_steps + args.steps + args.profile_steps + (
+    need = args.warmup_steps + 2 * args.steps + args.profile_steps + (
         0 if args.no_generate else args.steps)
     if need > args.headroom:
         ap.error(f"argument --headroom: {args.headroom} tokens cannot hold the {need} decode "
-                 f"steps of a row (warm-up + steps + profile steps + the loop's steps)")
+                 f"steps of a row (warm-up + synced and queued steps + profile steps + the "
+                 f"loop's steps)")
     if args.budget_s < 0:
         ap.error(f"argument --budget-s: must be >= 0, got {args.budget_s}")
     try:
@@ -629,17 +631,18 @@ def loop_record(params, cfg, state, logits, steps: int, args) -> dict:
 def decode_row(params, cfg: ModelConfig, context: int, batch: int, args) -> dict:
     """Time one decode row (module docstring). Returns its record."""
     state, fill = fill_state(params, cfg, context, batch, args)
-    n_steps = args.warmup_steps + args.steps + args.profile_steps
+    n_steps = args.warmup_steps + 2 * args.steps + args.profile_steps
     toks = np.random.default_rng([args.seed, context, batch, 1]).integers(
         0, cfg.vocab_size, (n_steps + 1, batch)).astype(np.int32)
     box = {"state": state, "i": 0}
     del state
 
-    def step():
+    def step(sync=True):
         t0 = time.perf_counter()
         logits, box["state"] = model.decode_step(params, cfg, box["state"], toks[box["i"]],
                                                  attn_impl=args.attn_impl, mesh=_mesh(args))
-        jax.block_until_ready(logits)
+        if sync:
+            jax.block_until_ready(logits)
         box["i"] += 1
         box["logits"] = logits
         return time.perf_counter() - t0
@@ -650,12 +653,18 @@ def decode_row(params, cfg: ModelConfig, context: int, batch: int, args) -> dict
         step()
     c1 = xla_compiles()
     times = [step() for _ in range(args.steps)]
+    t0 = time.perf_counter()
+    for _ in range(args.steps):       # queued back to back, one sync at the end
+        step(sync=False)
+    jax.block_until_ready(box["logits"])
+    queued = (time.perf_counter() - t0) / args.steps
     c2 = xla_compiles()
     secs = statistics.median(times)
     rec = {"kind": "decode", "batch": batch, "context": context,
            "capacity": context + args.headroom, **fill, "steps": args.steps,
            "ms_per_step": 1e3 * secs, "ms_per_step_mean": 1e3 * statistics.fmean(times),
-           "ms_per_step_min": 1e3 * min(times), "tokens_per_s": batch / secs,
+           "ms_per_step_min": 1e3 * min(times), "ms_per_step_queued": 1e3 * queued,
+           "tokens_per_s": batch / secs,
            "first_step_s": first_s, "compile_s": max(0.0, first_s - secs),
            "xla_compiles_warmup": c1 - c0, "xla_compiles_timed": c2 - c1}
     if args.profile_steps:

@@ -78,8 +78,9 @@ def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
 def _tunings(N: int, K: int, args, G: int = 1) -> list[dict]:
     """The swept tunings that the kernel accepts for ``[N, K]`` in ``G`` groups (the default
     first)."""
-    default = dict(zip(("block_k", "k_splits"), gemv_triton.config(N, K)))
-    out = [{**default, "block_n": gemv_triton.BLOCK_N, "num_warps": 4, "num_stages": 3}]
+    block_n = gemv_triton.default_block_n(N, N // G)
+    default = dict(zip(("block_k", "k_splits"), gemv_triton.config(N, K, block_n=block_n)))
+    out = [{**default, "block_n": block_n, "num_warps": 4, "num_stages": 3}]
     for bk, ks, bn, nw, ns in itertools.product(args.block_k, args.k_splits, args.block_n,
                                                 args.num_warps, args.num_stages):
         try:

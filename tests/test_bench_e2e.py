@@ -184,7 +184,7 @@ def test_peer_plumbing(tmp_path):
     (["--modes", "ced,fast"], "argument --modes: ['ced', 'fast'] is not a list of ced, exact"),
     (["--batches", "0"], "argument --batches: must be >= 1, got 0"),
     (["--config", "huge"], "argument --config: invalid choice: 'huge'"),
-    (["--steps", "300"], "argument --headroom: 256 tokens cannot hold the 605 decode steps"),
+    (["--steps", "300"], "argument --headroom: 256 tokens cannot hold the 905 decode steps"),
     (["--budget-s", "-1"], "argument --budget-s: must be >= 0, got -1.0"),
     (["--attn-impl", "bogus"], "argument --attn-impl: attn_impl must be one of"),
     (["--out", "no/such/dir/x.json"], "argument --out: no such directory: no/such/dir"),
@@ -275,11 +275,12 @@ def test_bench_e2e_tiny(tmp_path, capsys):
     assert pre["state_pos_after"] == 64 and pre["logits_finite"]
     assert "device_s" in pre and "launches" in pre          # None on CPU
     assert (dec["kind"], dec["batch"], dec["context"], dec["steps"]) == ("decode", 1, 64, 3)
-    for k in ("ms_per_step", "tokens_per_s", "first_step_s", "bytes", "floor_ms", "x_floor"):
+    for k in ("ms_per_step", "ms_per_step_queued", "tokens_per_s", "first_step_s", "bytes",
+              "floor_ms", "x_floor"):
         assert _finite_positive(dec[k]), (k, dec[k])
     assert dec["compile_s"] >= 0 and dec["xla_compiles_timed"] == 0
     assert dec["fill_mode"] == "exact" and dec["logits_finite"]
-    assert dec["state_pos_after"] == 64 + 2 + 3 + 1          # warm-up, timed, traced steps
+    assert dec["state_pos_after"] == 64 + 2 + 3 + 3 + 1      # warm-up, synced, queued, traced
     assert "device_ms_per_step" in dec and "launches_per_step" in dec
     assert dec["loop"]["ms_per_step"] is None or _finite_positive(dec["loop"]["ms_per_step"])
     assert dec["bytes"] == e2e.decode_bytes(e2e.bench_config.e2e_config("tiny")[0], 1, 64)

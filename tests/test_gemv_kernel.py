@@ -145,7 +145,14 @@ def test_shape_rules_and_refusals():
         with pytest.raises(ValueError, match=f"block_k={bk} must be a power of two >= 64"):
             gemv_triton.config(64, 1024, block_k=bk)
     assert gemv_triton.config(32768, 1280) == (256, 1)
-    assert gemv_triton.config(512, 2048) == (512, 4)
+    assert gemv_triton.config(32768, 1280, block_n=64) == (256, 1)
+    assert gemv_triton.config(512, 2048) == (512, 4)          # one 512 block per program
+    assert gemv_triton.config(2048, 8192) == (512, 16)
+    assert gemv_triton.config(8192, 4096) == (256, 4)         # 512 would leave two per program
+    assert gemv_triton.default_block_n(32768, 32768) == 64
+    assert gemv_triton.default_block_n(32768, 32768 // 8) == 64
+    assert gemv_triton.default_block_n(8192, 1024) == 32      # too few programs at 64
+    assert gemv_triton.default_block_n(16 * 3104, 3104) == 32  # a group's rows: 97 x 32
 
 
 @pytest.mark.parametrize("M", [1, 3, 16])

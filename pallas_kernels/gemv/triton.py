@@ -1,7 +1,7 @@
 """Pallas Triton (NVIDIA GPU) kernel of the FP8 stacked GEMV; see :mod:`pallas_kernels.gemv`.
 
-One program handles ``block_n`` output rows (default 32: one row of E8M0 scale tiles; a
-larger ``block_n`` runs its 32-row blocks on one input tile) over one of ``k_splits`` equal
+One program handles ``block_n`` output rows (32: one row of E8M0 scale tiles; a larger
+``block_n``, 64 for wide outputs by default, runs its 32-row blocks on one input tile) over one of ``k_splits`` equal
 parts of the input dimension, in steps of ``block_k`` columns:
 
 * load the layer's FP8 tile ``[32, block_k]`` straight from the stacked weight (the layer index
@@ -128,37 +128,53 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = None,
            block_n: int = BLOCK_N):
-    """``(block_k, k_splits)``: the largest power of two <= 512 dividing K (at least
-    :data:`MIN_BLOCK_K`), and enough splits of K for about :data:`TARGET_PROGRAMS` programs of
-    ``block_n`` output rows (a power of two dividing K / block_k). Raises ``ValueError`` for a
-    ``block_k`` or ``k_splits`` that does not fit ``K``, or a ``block_n`` that is not a power
-    of two multiple of 32 dividing ``N``."""
+    """``(block_k, k_splits)``: enough splits of K for about :data:`TARGET_PROGRAMS` programs
+    of ``block_n`` output rows (a power of two dividing K / block_k), in blocks of 512 columns
+    where that leaves each program one block, else of the largest power of two <= 256 dividing
+    K (at least :data:`MIN_BLOCK_K`). On an H200 (docs/benchmarks.md, "FP8 GEMV tunings"),
+    ``[8192, 4096]`` ran in 19.4 us with 256 x 4 splits against 26.4 us with 512 x 4 (two
+    blocks per program), while ``[2048, 8192]`` ran fastest with 512 x 16 (one each). Raises
+    ``ValueError`` for a ``block_k`` or ``k_splits`` that does not fit ``K``, or a ``block_n``
+    that is not a power of two multiple of 32 dividing ``N``."""
     if block_n < BLOCK_N or block_n & (block_n - 1) or N % block_n:
         raise ValueError(f"block_n={block_n} must be a power of two >= {BLOCK_N} dividing "
                          f"N={N}")
+    target = max(1, TARGET_PROGRAMS // max(1, N // block_n))
     if block_k is None:
         block_k = _pow2_divisor(K, 512)
+        if block_k == 512 and _pow2_divisor(K // 512, target) != K // 512:
+            block_k = _pow2_divisor(K, 256)
     if block_k < MIN_BLOCK_K or K % block_k or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= {MIN_BLOCK_K} dividing "
                          f"K={K}")
     n_kb = K // block_k
     if k_splits is None:
-        k_splits = _pow2_divisor(n_kb, max(1, TARGET_PROGRAMS // max(1, N // block_n)))
+        k_splits = _pow2_divisor(n_kb, target)
     if n_kb % k_splits:
         raise ValueError(f"k_splits={k_splits} must divide K / block_k = {n_kb}")
     return block_k, k_splits
 
 
+def default_block_n(N: int, group_rows: int) -> int:
+    """Output rows per program: 64 where that still leaves at least half of
+    :data:`TARGET_PROGRAMS` programs without splitting K and divides a group's rows, else
+    :data:`BLOCK_N` (on an H200, ``[32768, 1280]`` ran in 24.3 us with 64 against 26.3 us
+    with 32; ``[8192, 4096]`` was slower with 64)."""
+    wide = 2 * BLOCK_N
+    return wide if N // wide >= TARGET_PROGRAMS // 2 and group_rows % wide == 0 else BLOCK_N
+
+
 @functools.partial(jax.jit, static_argnames=("act_quant", "block_k", "k_splits", "block_n",
                                              "num_warps", "num_stages", "interpret"))
 def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None,
-             block_n=BLOCK_N, num_warps=4, num_stages=3, interpret=False):
+             block_n=None, num_warps=4, num_stages=3, interpret=False):
     """See :func:`pallas_kernels.gemv.fp8_gemv`; ``x`` [M <= 16, G, K] (bf16, or with
     ``act_quant`` any float dtype, quantised from its own values). ``block_n``: output rows per
-    program (32-row blocks sharing the input tile and its act-quant); it must divide ``N / G``
-    when ``G > 1``."""
+    program (32-row blocks sharing the input tile and its act-quant; default
+    :func:`default_block_n`); it must divide ``N / G`` when ``G > 1``."""
     M, G, K = x.shape
     L, N, _ = w.shape
+    block_n = default_block_n(N, N // G) if block_n is None else block_n
     block_k, k_splits = config(N, K, block_k, k_splits, block_n)
     if (N // G) % block_n:
         raise ValueError(f"block_n={block_n} must divide the rows of a group, N / G = {N // G}")
