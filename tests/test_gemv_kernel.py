@@ -148,7 +148,9 @@ def test_shape_rules_and_refusals():
     assert gemv_triton.config(32768, 1280, block_n=64) == (256, 1)
     assert gemv_triton.config(512, 2048) == (512, 4)          # one 512 block per program
     assert gemv_triton.config(2048, 8192) == (512, 16)
-    assert gemv_triton.config(8192, 4096) == (256, 4)         # 512 would leave two per program
+    assert gemv_triton.config(8192, 4096) == (256, 1)         # 256 row blocks: no split
+    assert gemv_triton.config(4096, 4096) == (512, 8)         # one 512 block per program
+    assert gemv_triton.config(4096, 8192) == (256, 8)         # 512 would leave two per program
     assert gemv_triton.default_block_n(32768, 32768) == 64
     assert gemv_triton.default_block_n(32768, 32768 // 8) == 64
     assert gemv_triton.default_block_n(8192, 1024) == 32      # too few programs at 64

@@ -44,6 +44,10 @@ BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 ROWS = 16          # input rows per call (tensor-core tile height)
 BLOCK_N = 32       # output rows per program: one row of 32 x 32 scale tiles
 TARGET_PROGRAMS = 1024
+#: Row blocks from which K is not split: the partial sums then need no reduction kernel (on
+#: an H200, ``[8192, 4096]``: 19.3 us in 256 unsplit programs, 19.4 us in 4 x 256 programs
+#: plus the reduction).
+UNSPLIT_ROW_BLOCKS = 256
 #: Smallest ``block_k``: with 32 (a tile of one scale column) the kernel's build segfaults on
 #: an H200 (jax 0.11.2; seen compiling the demo model's decode step, dim 32); 64 and 128 run.
 MIN_BLOCK_K = 64
@@ -128,10 +132,11 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = None,
            block_n: int = BLOCK_N):
-    """``(block_k, k_splits)``: enough splits of K for about :data:`TARGET_PROGRAMS` programs
-    of ``block_n`` output rows (a power of two dividing K / block_k), in blocks of 512 columns
-    where that leaves each program one block, else of the largest power of two <= 256 dividing
-    K (at least :data:`MIN_BLOCK_K`). On an H200 (docs/benchmarks.md, "FP8 GEMV tunings"),
+    """``(block_k, k_splits)``: no split of K from :data:`UNSPLIT_ROW_BLOCKS` blocks of
+    ``block_n`` output rows, else enough splits for about :data:`TARGET_PROGRAMS` programs (a
+    power of two dividing K / block_k), in blocks of 512 columns where that leaves each
+    program one block, else of the largest power of two <= 256 dividing K (at least
+    :data:`MIN_BLOCK_K`). On an H200 (docs/benchmarks.md, "FP8 GEMV tunings"),
     ``[8192, 4096]`` ran in 19.4 us with 256 x 4 splits against 26.4 us with 512 x 4 (two
     blocks per program), while ``[2048, 8192]`` ran fastest with 512 x 16 (one each). Raises
     ``ValueError`` for a ``block_k`` or ``k_splits`` that does not fit ``K``, or a ``block_n``
@@ -139,7 +144,8 @@ def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = No
     if block_n < BLOCK_N or block_n & (block_n - 1) or N % block_n:
         raise ValueError(f"block_n={block_n} must be a power of two >= {BLOCK_N} dividing "
                          f"N={N}")
-    target = max(1, TARGET_PROGRAMS // max(1, N // block_n))
+    row_blocks = N // block_n
+    target = 1 if row_blocks >= UNSPLIT_ROW_BLOCKS else max(1, TARGET_PROGRAMS // row_blocks)
     if block_k is None:
         block_k = _pow2_divisor(K, 512)
         if block_k == 512 and _pow2_divisor(K // 512, target) != K // 512:
