@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from dsv41_jax import model, sharding
+from dsv41_jax import model, saved_steps, sharding
 from dsv41_jax import state as st
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.dtypes import F32
@@ -112,9 +112,9 @@ def _loop(params, state, logits, key, eos, *, cfg: ModelConfig, sampling: Sampli
     return GenerationResult(tokens=c.tokens, lengths=c.lengths, state=c.state)
 
 
-_loop_jit = jax.jit(_loop, static_argnames=("cfg", "sampling", "max_new_tokens", "attn_impl",
-                                            "batch_invariant", "mesh"),
-                    donate_argnames=("state",))
+_loop_jit = saved_steps.SavedJit(_loop, static_argnames=("cfg", "sampling", "max_new_tokens",
+                                                         "attn_impl", "batch_invariant", "mesh"),
+                                 donate_argnames=("state",))
 
 
 def _checked_eos(eos_ids, cfg) -> list[int]:
@@ -382,10 +382,10 @@ def _spec_loop(params, state, logits, eos, key, *, cfg: ModelConfig, sampling: S
                              accepted=accepted, row_calls=row_calls, drafted=drafted)
 
 
-_spec_jit = jax.jit(_spec_loop,
-                    static_argnames=("cfg", "sampling", "max_new_tokens", "k", "auto",
-                                     "threshold", "attn_impl", "draft", "mesh"),
-                    donate_argnames=("state",))
+_spec_jit = saved_steps.SavedJit(_spec_loop,
+                                 static_argnames=("cfg", "sampling", "max_new_tokens", "k", "auto",
+                                                  "threshold", "attn_impl", "draft", "mesh"),
+                                 donate_argnames=("state",))
 
 
 def generate_speculative(params, cfg: ModelConfig, state, logits, *, max_new_tokens: int,

@@ -38,7 +38,7 @@ import numpy as np
 
 from jax.experimental.compute_on import compute_on
 
-from dsv41_jax import checkpoint, quant, sharding, state as st
+from dsv41_jax import checkpoint, quant, saved_steps, sharding, state as st
 from dsv41_jax.config import LayerGroup, LayerPlan, ModelConfig
 from dsv41_jax.layers import dspark
 from dsv41_jax.layers import engram as engram_layer
@@ -705,8 +705,9 @@ def _chunk_rows(params, tokens, n, state, embeds_override, image_mask, compat, *
     return out, sharding.constrain_state(state, static.mesh)
 
 
-_chunk_jit = jax.jit(_chunk_rows, static_argnames=("static", "mode", "replay_len", "all_logits"),
-                     donate_argnames=("state",))
+_chunk_jit = saved_steps.SavedJit(_chunk_rows,
+                                  static_argnames=("static", "mode", "replay_len", "all_logits"),
+                                  donate_argnames=("state",))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -1116,7 +1117,8 @@ def _verify_impl(params, tokens, state, accept, compat, *, static: Static, max_a
     return out.all_logits, a, sharding.constrain_state(state, static.mesh)
 
 
-_verify_jit = jax.jit(_verify_impl, static_argnames=("static",), donate_argnames=("state",))
+_verify_jit = saved_steps.SavedJit(_verify_impl, static_argnames=("static",),
+                                   donate_argnames=("state",))
 
 
 def verify_fn(cfg: ModelConfig, *, attn_impl: str = "auto", compat_stale_index_k: bool = False,
