@@ -39,22 +39,32 @@ from pallas_kernels.gemv import triton as gemv_triton
 
 
 def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
-    """The GEMV calls of one decode step: ``[{"x": (M, G, K), "w": (L, N, K), "act_quant",
-    "calls"}]``, one entry per distinct shape (``L``: the largest stack it was seen with),
-    ``calls`` per step, the most bytes first. ``gpu``: trace as on an NVIDIA GPU even
-    where the backend is not one (the CPU smoke test)."""
+    """The GEMV launches of one decode step: ``[{"x": (M, G, K), "w": (L, N, K), "act_quant",
+    "calls", "pair"}]``, one entry per distinct shape (``L``: the largest stack it was seen
+    with), ``calls`` per step, the most bytes first. A pair of linears run in one launch
+    (:func:`pallas_kernels.gemv.fp8_gemv_pair`) is one entry whose ``w`` holds both weights'
+    rows and ``pair`` their row counts ``(N0, N1)`` (``None`` for a single linear); the sweep
+    times it as one stack of ``N0 + N1`` rows, the same grid. ``gpu``: trace as on an NVIDIA
+    GPU even where the backend is not one (the CPU smoke test)."""
     from dsv41_jax.layers import linear as lin
     seen: dict = {}
-    real = gemv.fp8_gemv
+    real, real_pair = gemv.fp8_gemv, gemv.fp8_gemv_pair
 
     def record(x, w, scale, layer, *, act_quant=False, impl="auto", **kw):
-        key = (tuple(x.shape), tuple(w.shape), bool(act_quant))
+        key = (tuple(x.shape), tuple(w.shape), bool(act_quant), None)
         seen[key] = seen.get(key, 0) + 1
         return real(x, w, scale, layer, act_quant=act_quant, impl="xla")
 
+    def record_pair(x, w0, s0, w1, s1, layer, *, act_quant=False, impl="auto", **kw):
+        L, N0, K = w0.shape
+        key = (tuple(x.shape), (L, N0 + w1.shape[1], K), bool(act_quant), (N0, w1.shape[1]))
+        seen[key] = seen.get(key, 0) + 1
+        return real_pair(x, w0, s0, w1, s1, layer, act_quant=act_quant, impl="xla")
+
     state = st.init_state(cfg, batch, 64)
     step = model.decode_fn(cfg, attn_impl="xla")
-    patches = [mock.patch.object(lin.gemv, "fp8_gemv", record)]
+    patches = [mock.patch.object(lin.gemv, "fp8_gemv", record),
+               mock.patch.object(lin.gemv, "fp8_gemv_pair", record_pair)]
     if gpu:
         patches.append(mock.patch.object(lin, "on_gpu", lambda: True))
     for p in patches:
@@ -67,9 +77,9 @@ def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
     # a call site inside a scanned layer group reads a stack of L layers and runs once per
     # layer of it: L calls per step; shapes that differ only in L are one GEMV shape
     merged: dict = {}
-    for (x, (L, N, K), aq), n in seen.items():
-        e = merged.setdefault((x, N, K, aq), {"x": x, "w": (L, N, K), "act_quant": aq,
-                                               "calls": 0})
+    for (x, (L, N, K), aq, pair), n in seen.items():
+        e = merged.setdefault((x, N, K, aq, pair), {"x": x, "w": (L, N, K), "act_quant": aq,
+                                                     "calls": 0, "pair": pair})
         e["calls"] += n * L
         e["w"] = max(e["w"], (L, N, K))
     return sorted(merged.values(), key=lambda e: -e["calls"] * e["w"][1] * e["w"][2])
@@ -123,7 +133,8 @@ def bench_shape(entry: dict, args, impl: str, rng) -> dict:
         results.append({**t, "us": us, "TBps": nbytes / us / 1e6, "first_call_s": first,
                         "max_rel_err": float(np.abs(got - want).max()
                                              / (np.abs(want).max() + 1e-30))})
-    return {"x": entry["x"], "w": entry["w"], "act_quant": entry["act_quant"],
+    return {"x": entry["x"], "w": entry["w"], "pair": entry.get("pair"),
+            "act_quant": entry["act_quant"],
             "calls_per_step": entry["calls"], "weight_bytes": nbytes, "tunings": results}
 
 

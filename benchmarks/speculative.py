@@ -190,6 +190,13 @@ def run(args) -> dict:
     return res
 
 
+def _refuse(message: str):
+    """Exit with status 2 (as an argparse error) after ``dsv41-bench-verify: error: message``
+    on stderr."""
+    print(f"dsv41-bench-verify: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def check_mesh_args(args) -> None:
     """Refuse (``SystemExit`` naming ``--mesh``) a ``--mesh`` whose ``expert`` size does not
     divide the config's routed experts or whose ``data`` size does not divide a batch of
@@ -199,12 +206,11 @@ def check_mesh_args(args) -> None:
     cfg, _ = bench_config.e2e_config(args.config)
     dp, ep = args.mesh["data"], args.mesh["expert"]
     if cfg.n_routed_experts % ep:
-        raise SystemExit(f"dsv41-bench-verify: error: argument --mesh: the config's "
-                         f"{cfg.n_routed_experts} routed experts do not divide by expert={ep}")
+        _refuse(f"argument --mesh: the config's {cfg.n_routed_experts} routed experts do not "
+                f"divide by expert={ep}")
     bad = [b for b in args.batches if b % dp]
     if bad:
-        raise SystemExit(f"dsv41-bench-verify: error: argument --mesh: batch {bad[0]} does not "
-                         f"divide by data={dp} (--batches)")
+        _refuse(f"argument --mesh: batch {bad[0]} does not divide by data={dp} (--batches)")
 
 
 def make_mesh(sizes: dict | None):
@@ -215,14 +221,14 @@ def make_mesh(sizes: dict | None):
     try:
         return sharding.make_mesh(**sizes)
     except ValueError as e:
-        raise SystemExit(f"dsv41-bench-verify: error: argument --mesh: {e}") from None
+        _refuse(f"argument --mesh: {e}")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("batches", "drafts"):
         if not getattr(args, name) or min(getattr(args, name)) < 1:
-            raise SystemExit(f"dsv41-bench-verify: error: --{name} must list integers >= 1")
+            _refuse(f"--{name} must list integers >= 1")
     check_mesh_args(args)
     res = run(args)
     print(json.dumps({"rows": [{"batch": r["batch"], "cases": r["cases"]} for r in res["rows"]]},

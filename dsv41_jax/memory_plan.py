@@ -376,7 +376,8 @@ def format_plan(p: dict) -> str:
              + f", Engram tables: {p['engram']}",
              "", f"{'':44s}{'total':>13s}{'per device':>15s}", "weights"]
     for k, label in WEIGHT_KINDS.items():
-        lines.append(f"  {label.split(':')[0]:42s}{gb(p['weights'][k])}  {gb(pd[k])}")
+        name = label.split(" (")[0].split(":")[0]       # the label's name, without its details
+        lines.append(f"  {name:42s}{gb(p['weights'][k])}  {gb(pd[k])}")
     lines.append(f"  {'all weights':42s}{gb(p['weights_total'])}  {gb(pd['weights'])}")
     lines.append(f"inference state (batch {p['batch']}; {p['rows_per_device']} row(s) per "
                  f"device)")
@@ -433,9 +434,10 @@ def build_parser():
     ap.add_argument("--mesh", type=mesh_spec, default=None, metavar="data=D,tensor=T,expert=E",
                     help="split the weights by the sharding table over this mesh (instead of "
                          "--devices' simple rule; its product is the device count)")
-    ap.add_argument("--engram", choices=ENGRAM_PLACES, default="device",
-                    help="Engram tables: replicated on every device (device), split by rows "
-                    "across the devices (sharded), or in host memory (host); default device")
+    ap.add_argument("--engram", choices=ENGRAM_PLACES + ("replicated",), default="device",
+                    help="Engram tables: replicated on every device (device, or replicated as "
+                    "dsv41-generate calls it), split by rows across the devices (sharded), or "
+                    "in host memory (host); default device")
     ap.add_argument("--chunk", type=positive_int, default=DEFAULT_CHUNK,
                     help=f"prefill chunk in tokens for the activations (default {DEFAULT_CHUNK})")
     ap.add_argument("--device-gb", type=positive_float, default=141.0,
@@ -453,7 +455,8 @@ def main(argv=None) -> int:
     try:
         cfg = ModelConfig.from_json(args.config)
         p = plan(cfg, batch=args.batch, context=args.context, devices=args.devices,
-                 engram=args.engram, chunk=args.chunk, device_gb=args.device_gb,
+                 engram="device" if args.engram == "replicated" else args.engram,
+                 chunk=args.chunk, device_gb=args.device_gb,
                  config_name=args.config, mesh=args.mesh)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -113,9 +113,13 @@ def make_mesh(data=1, tensor=1, expert=1, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     total = data * tensor * expert
     if total != len(devices):
+        hint = ""
+        if devices and all(d.platform == "cpu" for d in devices) and total > len(devices):
+            hint = (f"; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={total} "
+                    f"set before JAX starts gives {total} devices")
         raise ValueError(f"mesh (data={data}, tensor={tensor}, expert={expert}) needs "
                          f"{total} devices but {len(devices)} were given (the product of the "
-                         f"axis sizes must equal the device count)")
+                         f"axis sizes must equal the device count{hint})")
     return jax.make_mesh((data, tensor, expert), MESH_AXES,
                          axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 

@@ -171,6 +171,54 @@ def test_kernel_lowers_for_h200(M):
     assert [a.shape for a in ex.out_avals] == [(M, 8192)]
 
 
+@pytest.mark.parametrize("M, K, N0, N1, L, act_quant, tune", [
+    (1, 256, 96, 64, 3, True, {}),                                # 3 + 2 row blocks
+    (3, 512, 64, 128, 2, False, {"block_k": 128, "k_splits": 2}),  # split K
+    (16, 256, 128, 128, 2, True, {"block_n": 64}),                # 2 + 2 blocks of 64 rows
+])
+def test_pair_matches_two_calls(M, K, N0, N1, L, act_quant, tune):
+    """Two weight stacks on one input in one launch: each output equals that weight's own
+    GEMV (the reference) up to summation order, for every layer of the stacks; the second
+    weight's rows are not the first's (each row block ran on its own weight)."""
+    rng = np.random.default_rng(5)
+    w0, s0 = _stack(rng, L, N0, K)
+    w1, s1 = _stack(rng, L, N1, K)
+    x = jnp.asarray(rng.normal(0, 1, (M, 1, K)), jnp.bfloat16)
+    for layer in range(L):
+        at = jnp.int32(layer)
+        want = gemv.fp8_gemv_pair(x, w0, s0, w1, s1, at, act_quant=act_quant, impl="xla")
+        got = gemv.fp8_gemv_pair(x, w0, s0, w1, s1, at, act_quant=act_quant,
+                                 impl="gpu_interpret", **tune)
+        for g, w_, n in zip(got, want, (N0, N1)):
+            assert g.shape == (M, n)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w_), rtol=1e-5,
+                                       atol=1e-5 * np.abs(np.asarray(w_)).max())
+        np.testing.assert_allclose(  # the reference pair is the single GEMV twice
+            np.asarray(want[1]), np.asarray(gemv.fp8_gemv(x, w1, s1, at, act_quant=act_quant,
+                                                          impl="xla")), rtol=0, atol=0)
+    assert not gemv.pair_fits((1, 2, 256), (1, 64, 256), (1, 64, 256))   # grouped input
+    assert not gemv.pair_fits((1, 1, 256), (2, 64, 256), (1, 64, 256))   # stack depths differ
+    w, sc = jnp.zeros((1, 64, 96), jnp.float8_e4m3fn), jnp.zeros((1, 2, 3), jnp.uint8)
+    with pytest.raises(ValueError, match="does not take"):                   # K = 96
+        gemv.fp8_gemv_pair(jnp.zeros((1, 1, 96), jnp.bfloat16), w, sc, w, sc, jnp.int32(0),
+                           impl="gpu_interpret")
+    with pytest.raises(ValueError, match="block_n=64 must divide both weights' rows, 96"):
+        gemv.fp8_gemv_pair(x[:, :, :256], *_stack(rng, 1, 96, 256), *_stack(rng, 1, 64, 256),
+                           jnp.int32(0), impl="gpu_interpret", block_n=64)
+
+
+def test_pair_lowers_for_h200():
+    """The mid config's ``wq_a`` and ``wkv`` (2048 -> 1280 and 512, 15 layers) as one Triton
+    kernel built for an H200."""
+    x = jnp.zeros((1, 1, 2048), jnp.bfloat16)
+    w0, s0 = jnp.zeros((15, 1280, 2048), jnp.float8_e4m3fn), jnp.zeros((15, 40, 64), jnp.uint8)
+    w1, s1 = jnp.zeros((15, 512, 2048), jnp.float8_e4m3fn), jnp.zeros((15, 16, 64), jnp.uint8)
+    ex = h200_export(lambda *a: gemv_triton.fp8_gemv_pair(*a, act_quant=True), x, w0, s0, w1,
+                     s1, jnp.int32(3))
+    assert ex.mlir_module().count("__gpu$xla.gpu.triton") == 1
+    assert [a.shape for a in ex.out_avals] == [(1, 1280), (1, 512)]
+
+
 def test_decode_step_reads_stacked_weights_in_place_on_a_gpu():
     """Built for an H200, a decode step with the stored form runs its FP8 linears through the
     kernel (the layer index passed, the stack whole); on CPU the same parameters give the
@@ -211,11 +259,17 @@ def test_decode_through_the_kernel_matches_the_stored_form():
         calls.append(a[1].shape)
         return gemv.fp8_gemv(*a, impl="gpu_interpret", **kw)
 
-    fake = types.SimpleNamespace(fp8_gemv=interpret_gemv, kernel_fits=gemv.kernel_fits)
+    def interpret_pair(*a, impl, **kw):
+        calls.append(("pair", a[1].shape, a[3].shape))
+        return gemv.fp8_gemv_pair(*a, impl="gpu_interpret", **kw)
+
+    fake = types.SimpleNamespace(fp8_gemv=interpret_gemv, kernel_fits=gemv.kernel_fits,
+                                 fp8_gemv_pair=interpret_pair, pair_fits=gemv.pair_fits)
     with mock.patch.object(lin, "on_gpu", lambda: True), mock.patch.object(lin, "gemv", fake):
         got, _ = jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
     assert calls, "the kernel was not used"
     assert any(c[0] == 4 for c in calls)     # the [2 units x 2 layers] stack
+    assert any(c[0] == "pair" for c in calls)   # wq_a and wkv (and the shared expert) paired
     want, got = np.asarray(want), np.asarray(got)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))

@@ -222,6 +222,8 @@ def test_generate_end_to_end(tmp_path, capsys):
     assert all(0 <= t < 129280 for t in row["generated"])
     assert row["finish"] == ("length" if len(row["generated"]) == 3 else "eos")
     assert rec["decode_tokens_per_s"] > 0
+    assert "generation loop: compiled in " in text
+    assert rec["loop_compile_s"] > 0 and rec["loop_wait_s"] >= 0
 
 
 def test_converted_parameters_skip_the_conversion(tmp_path):

@@ -161,6 +161,14 @@ def test_command_line(capsys):
     assert mp.main(["--config", os.path.join(ROOT, "no.json"), "--batch", "1",
                     "--context", "1"]) == 1
     assert capsys.readouterr().err.startswith("error: ")
+    # the tables' place as dsv41-generate names it; labels printed without their details
+    plans = []
+    for place in ("device", "replicated"):
+        assert mp.main(["--config", FLASH, "--batch", "1", "--context", "64", "--devices", "8",
+                        "--engram", place]) == 0
+        plans.append(capsys.readouterr().out)
+    assert plans[0] == plans[1] and "on every device (replicated)" in plans[0]
+    assert "  DSpark draft head " in plans[0] and "(mtp.*" not in plans[0]
 
 
 def test_script_refuses_bad_arguments():

@@ -74,8 +74,9 @@ def test_sharded_in_subprocess():
 
 def test_make_mesh_value_errors():
     one = jax.devices()[:1]
-    with pytest.raises(ValueError, match="needs 2 devices but 1"):
+    with pytest.raises(ValueError, match="needs 2 devices but 1") as e:
         sharding.make_mesh(data=2, devices=one)
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=2 set before JAX" in str(e.value)
     with pytest.raises(ValueError, match="needs 1 devices but 2"):
         sharding.make_mesh(devices=jax.devices()[:1] * 2)
     for bad in (0, -1, 1.5, True):

@@ -478,11 +478,13 @@ def _run_generation(params, cfg, state, logits, args: argparse.Namespace, sampli
 def _warm_generate(params, cfg, B, capacity, args, sampling, mesh=None):
     """Compile the generation loop for these shapes on a throwaway state (run beside the
     prefill): logits that make token 0 certain and EOS id 0 end every row before any model
-    step."""
+    step. Returns its seconds (wall)."""
+    t0 = time.perf_counter()
     s = st.init_state(cfg, B, capacity)
     logits = jnp.full((B, cfg.vocab_size), -jnp.inf, F32).at[:, 0].set(0.0)
     res = _run_generation(params, cfg, s, logits, args, sampling, (0,), mesh)
     jax.block_until_ready(res)
+    return time.perf_counter() - t0
 
 
 def _row_outputs(tok, res, eos: tuple, stops: list[str]) -> list[dict]:
@@ -574,7 +576,8 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
                                  progress=n_max > chunk, mesh=mesh)
         logits.block_until_ready()
         ttft = time.perf_counter() - t0
-        warm.result()
+        loop_s = warm.result()
+        waited = time.perf_counter() - t0 - ttft
     t1 = time.perf_counter()
     res = _run_generation(params, cfg, state, logits, args, sampling, eos, mesh)
     jax.block_until_ready(res)
@@ -594,6 +597,8 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
     print("-" * 72)
     print(f"prefill: {n_total} tokens in {ttft:.2f}s (first call, compilation included)")
     print(f"time to first token: {ttft:.2f}s (prefill mode {args.mode}, compilation included)")
+    print(f"generation loop: compiled in {loop_s:.2f}s beside the prefill"
+          + (f" ({waited:.2f}s after the first token)" if waited >= 0.01 else ""))
     print(decode_line(steps, t_dec, B))
     spec = None
     if args.speculative:
@@ -607,6 +612,7 @@ def generate(args: argparse.Namespace, cfg: ModelConfig, tok, rows: list[list[in
     tps = steps * B / t_dec if steps and t_dec > 0 else None
     rec = {"rows": [dict(prompt_tokens=n, **o) for n, o in zip(lens, outs)],
            "prompt_tokens": n_total, "capacity": capacity, "ttft_s": ttft,
+           "loop_compile_s": loop_s, "loop_wait_s": waited,
            "decode_steps": steps, "decode_s": t_dec, "decode_tokens_per_s": tps,
            "mode": args.mode, "temperature": args.temperature, "top_k": args.top_k,
            "top_p": args.top_p}

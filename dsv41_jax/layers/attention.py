@@ -21,7 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dsv41_jax import quant, state as st
 from dsv41_jax.config import LayerRole, ModelConfig
 from dsv41_jax.layers import compressor, indexer
-from dsv41_jax.layers.linear import grouped_linear, linear, rms_norm
+from dsv41_jax.layers.linear import grouped_linear, linear, linear_pair, rms_norm
 from dsv41_jax.layers.rope import apply_rope, rope_angles
 from dsv41_jax.dtypes import BF16, F32
 from pallas_kernels import fp4
@@ -151,20 +151,23 @@ def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk,
         tail=new_tail if r > 1 else src.tail)
 
 
-def queries(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin):
+def queries(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, qa=None):
     """Query path (docs/architecture.md, "Queries"): ``(qr bf16 [B, S, q_lora], q bf16
-    [B, S, H, K])``, ``q`` RoPE'd with the angles ``cos``/``sin`` [B, S, R/2]."""
+    [B, S, H, K])``, ``q`` RoPE'd with the angles ``cos``/``sin`` [B, S, R/2]. ``qa``:
+    ``linear(x, p["wq_a"])`` when the caller has it (:func:`linear_pair`)."""
     B, S, _ = x.shape
-    qr = rms_norm(linear(x, p["wq_a"]), p["q_norm"]["weight"], cfg.norm_eps)
+    qa = linear(x, p["wq_a"]) if qa is None else qa
+    qr = rms_norm(qa, p["q_norm"]["weight"], cfg.norm_eps)
     q = linear(qr, p["wq_b"]).reshape(B, S, cfg.n_heads, cfg.head_dim)
     return qr, apply_rope(q, cos[:, :, None], sin[:, :, None])
 
 
-def window_kv(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin):
+def window_kv(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, kva=None):
     """Window KV of the rows ``x`` (docs/architecture.md, "Window KV"): RMSNorm, RoPE, FP8
     quantisation per 32 channels. Returns ``(codes e4m3 [B, S, K], scale E8M0 uint8
-    [B, S, K/32])``."""
-    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"]["weight"], cfg.norm_eps)
+    [B, S, K/32])``. ``kva``: ``linear(x, p["wkv"])`` when the caller has it."""
+    kva = linear(x, p["wkv"]) if kva is None else kva
+    kv = rms_norm(kva, p["kv_norm"]["weight"], cfg.norm_eps)
     return quant.fp8_quantize(apply_rope(kv, cos, sin), 32)
 
 
@@ -198,8 +201,9 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     B, S, _ = x.shape
     H, K, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     cos, sin = rope_angles(ch.positions, ch.freqs[role.rope])
-    qr, q = queries(p, x, cfg, cos, sin)
-    kv_codes, kv_scale = window_kv(p, x, cfg, cos, sin)
+    qa, kva = linear_pair(x, p["wq_a"], p["wkv"])      # one GEMV launch in a decode step
+    qr, q = queries(p, x, cfg, cos, sin, qa)
+    kv_codes, kv_scale = window_kv(p, x, cfg, cos, sin, kva)
     kv = quant.fp8_dequantize(kv_codes, kv_scale, 32, BF16)
     ring = ls.window
     widx, wok = window_list(ch, W)

@@ -144,6 +144,32 @@ def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
     return y.astype(BF16)
 
 
+#: Two FP8 linears of one input run as one GEMV launch on a GPU (:func:`linear_pair`); False
+#: runs them one by one (for comparisons).
+PAIRED_GEMV = True
+
+
+def linear_pair(x: Float[Array, "... I"], p0: dict, p1: dict
+                ) -> tuple[Float[Array, "... O0"], Float[Array, "... O1"]]:
+    """``(linear(x, p0), linear(x, p1))``, the same values: on a GPU, two stored-form FP8
+    linears of a scanned layer (a layer's ``wq_a`` and ``wkv``, a shared expert's ``w1`` and
+    ``w3``) in one launch of the stacked GEMV kernel
+    (:func:`pallas_kernels.gemv.fp8_gemv_pair`), else one after the other."""
+    if (PAIRED_GEMV and on_gpu() and "at" in p0 and "at" in p1 and "fp8" in p0 and "fp8" in p1
+            and is_quantized(p0) == is_quantized(p1)):
+        w0, s0 = p0["fp8"], p0["scale"]
+        w1, s1 = p1["fp8"], p1["scale"]
+        w0, s0 = w0.reshape(-1, *w0.shape[-2:]), s0.reshape(-1, *s0.shape[-2:])
+        w1, s1 = w1.reshape(-1, *w1.shape[-2:]), s1.reshape(-1, *s1.shape[-2:])
+        x3 = x.reshape(-1, 1, x.shape[-1])
+        if gemv.pair_fits(x3.shape, w0.shape, w1.shape):
+            y0, y1 = gemv.fp8_gemv_pair(x3, w0, s0, w1, s1, p0["at"],
+                                        act_quant=is_quantized(p0), impl="gpu")
+            return (y0.reshape(*x.shape[:-1], -1).astype(BF16),
+                    y1.reshape(*x.shape[:-1], -1).astype(BF16))
+    return linear(x, p0), linear(x, p1)
+
+
 def grouped_linear(x: Float[Array, "... G I"], p: dict) -> Float[Array, "... G O"]:
     """Block-diagonal linear: group ``g`` of ``x`` times rows ``[g*O, (g+1)*O)`` of the
     weight (``[G*O, I]``), fp32 accumulation, bf16 out, no activation quantisation (the

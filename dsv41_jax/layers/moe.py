@@ -16,7 +16,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax import quant
-from dsv41_jax.layers.linear import dequant_weight, is_quantized, linear
+from dsv41_jax.layers.linear import dequant_weight, is_quantized, linear, linear_pair
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from pallas_kernels import grouped_matmul
 
@@ -67,8 +67,8 @@ def expert(x: Float[Array, "N D"], p: dict, limit: float,
     ``up`` is clamped to [-limit, limit], the gate branch from above only
     (docs/architecture.md, "Mixture of experts"; B15).
     """
-    g = linear(x, p["w1"]).astype(F32)
-    up = linear(x, p["w3"]).astype(F32)
+    g, up = linear_pair(x, p["w1"], p["w3"])        # one GEMV launch for a stacked FP8 expert
+    g, up = g.astype(F32), up.astype(F32)
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         g = jnp.minimum(g, limit)

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int, UInt8
 from pallas_kernels import impls
 from pallas_kernels.gemv import reference, triton
 
-__all__ = ["fp8_gemv", "kernel_fits", "MAX_ROWS"]
+__all__ = ["fp8_gemv", "fp8_gemv_pair", "kernel_fits", "pair_fits", "MAX_ROWS"]
 
 MAX_ROWS = triton.ROWS
 
@@ -36,6 +36,15 @@ def kernel_fits(x_shape: tuple, w_shape: tuple) -> bool:
     L, N, Kw = w_shape
     return (M <= MAX_ROWS and K == Kw and N % (32 * G) == 0 and (N // G) % 32 == 0
             and K % triton.MIN_BLOCK_K == 0 and L * N * K < 2 ** 31)
+
+
+def pair_fits(x_shape: tuple, w0_shape: tuple, w1_shape: tuple) -> bool:
+    """Whether the GPU kernel takes two weight stacks on one input (:func:`fp8_gemv_pair`):
+    each as :func:`kernel_fits`, one group, the same stack depth, both together under
+    2**31 bytes."""
+    return (x_shape[1] == 1 and w0_shape[0] == w1_shape[0] and kernel_fits(x_shape, w0_shape)
+            and kernel_fits(x_shape, w1_shape)
+            and w0_shape[0] * (w0_shape[1] + w1_shape[1]) * w0_shape[2] < 2 ** 31)
 
 
 def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
@@ -55,3 +64,27 @@ def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go G
         raise ValueError(f"fp8_gemv: the GPU kernel does not take x {x.shape} with w {w.shape}")
     return triton.fp8_gemv(x, w, scale, layer, act_quant=act_quant,
                            interpret=impls.interpret(impl), **tuning)
+
+
+def fp8_gemv_pair(x: Float[Array, "M 1 K"], w0: jax.Array, scale0: UInt8[Array, "L Go0 Gi"],
+                  w1: jax.Array, scale1: UInt8[Array, "L Go1 Gi"], layer: Int[Array, ""], *,
+                  act_quant: bool = False, impl: str = "auto", **tuning
+                  ) -> tuple[Float[Array, "M N0"], Float[Array, "M N1"]]:
+    """:func:`fp8_gemv` of two weight stacks that read the same input (a layer's ``wq_a`` and
+    ``wkv``, a shared expert's ``w1`` and ``w3``): ``(x @ W0[layer].T, x @ W1[layer].T)``. The
+    GPU kernel runs both in one launch (its programs' row blocks span the two weights), so a
+    decode step launches one kernel, and one partial-sum reduction, where it launched two.
+    Raises ``ValueError`` as :func:`fp8_gemv` (``impl="gpu"``: shapes :func:`pair_fits`
+    refuses)."""
+    impl = impls.check_family(impl)
+    if impl == "auto":
+        impl = "gpu" if impls.on_gpu() and pair_fits(x.shape, w0.shape, w1.shape) else "xla"
+    if impl in ("xla", "tpu", "tpu_interpret"):
+        return (reference.fp8_gemv(x, w0, scale0, layer, act_quant),
+                reference.fp8_gemv(x, w1, scale1, layer, act_quant))
+    if not pair_fits(x.shape, w0.shape, w1.shape):
+        raise ValueError(f"fp8_gemv_pair: the GPU kernel does not take x {x.shape} with w "
+                         f"{w0.shape} and {w1.shape}")
+    y0, y1 = triton.fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, act_quant=act_quant,
+                                  interpret=impls.interpret(impl), **tuning)
+    return y0, y1

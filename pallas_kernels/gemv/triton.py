@@ -80,12 +80,35 @@ def _act_qdq(x: jax.Array, interpret: bool) -> jax.Array:
     return (q * exp2_int(e)[..., None]).reshape(R, C)
 
 
-def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, block_n, n_k, group_rows, rows,
-            act_quant, interpret):
+def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, act_quant,
+            interpret, first_blocks=(0,)):
+    """One program: ``block_n`` output rows over one K split. With several weights (``refs``:
+    a weight and its scales per weight, then the output), ``first_blocks`` holds each one's
+    first row block in the output: the program runs on the weight its row block falls in."""
+    *weights, o_ref = refs
     nb, ks = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     g = (nb * block_n) // group_rows
     subs = block_n // BLOCK_N           # 32-row blocks, each with its own row of scales
+    if len(weights) == 2:             # one weight and its scales
+        accs = _accumulate(layer, x_ref, *weights, nb, ks, g, block_k=block_k, n_k=n_k,
+                           subs=subs, rows=rows, act_quant=act_quant, interpret=interpret)
+    else:   # two weights (first_blocks[1]: the second's first row block); uniform per program
+        w0, s0, w1, s1 = weights
+        accs = jax.lax.cond(
+            nb < first_blocks[1],
+            lambda: _accumulate(layer, x_ref, w0, s0, nb, ks, g, block_k=block_k, n_k=n_k,
+                                subs=subs, rows=rows, act_quant=act_quant, interpret=interpret),
+            lambda: _accumulate(layer, x_ref, w1, s1, nb - first_blocks[1], ks, g,
+                                block_k=block_k, n_k=n_k, subs=subs, rows=rows,
+                                act_quant=act_quant, interpret=interpret))
+    _store(o_ref, accs, rows)
+
+
+def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, rows, act_quant,
+                interpret):
+    """The fp32 accumulators ``subs x [ROWS, BLOCK_N]`` of row block ``nb`` of one weight."""
+    block_n = subs * BLOCK_N
 
     def step(i, accs):
         k0 = (ks * n_k + i) * block_k
@@ -109,7 +132,12 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k, block_n, n_k, gro
                                                      preferred_element_type=F32))
         return tuple(out)
 
-    accs = jax.lax.fori_loop(0, n_k, step, (jnp.zeros((ROWS, BLOCK_N), F32),) * subs)
+    return jax.lax.fori_loop(0, n_k, step, (jnp.zeros((ROWS, BLOCK_N), F32),) * subs)
+
+
+def _store(o_ref, accs, rows):
+    """The accumulators into the output block (only the input's rows)."""
+    subs = len(accs)
     if rows == ROWS:
         for j in range(subs):
             o_ref[:, pl.ds(j * BLOCK_N, BLOCK_N)] = accs[j]
@@ -179,23 +207,60 @@ def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None
     program (32-row blocks sharing the input tile and its act-quant; default
     :func:`default_block_n`); it must divide ``N / G`` when ``G > 1``."""
     M, G, K = x.shape
-    L, N, _ = w.shape
+    N = w.shape[1]
     block_n = default_block_n(N, N // G) if block_n is None else block_n
-    block_k, k_splits = config(N, K, block_k, k_splits, block_n)
     if (N // G) % block_n:
         raise ValueError(f"block_n={block_n} must divide the rows of a group, N / G = {N // G}")
+    [y] = _call(x, ((w, scale),), layer, act_quant=act_quant, block_k=block_k,
+                k_splits=k_splits, block_n=block_n, num_warps=num_warps,
+                num_stages=num_stages, interpret=interpret)
+    return y
+
+
+@functools.partial(jax.jit, static_argnames=("act_quant", "block_k", "k_splits", "block_n",
+                                             "num_warps", "num_stages", "interpret"))
+def fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, *, act_quant=False, block_k=None,
+                  k_splits=None, block_n=None, num_warps=4, num_stages=3, interpret=False):
+    """See :func:`pallas_kernels.gemv.fp8_gemv_pair`: two weight stacks ``[L, N0, K]``,
+    ``[L, N1, K]`` on one input ``x [M, 1, K]`` in one launch (the programs of each row block
+    run on its weight). ``block_n`` (default :func:`default_block_n` of ``N0 + N1``, 32 where
+    it does not divide both) must divide ``N0`` and ``N1``. Returns ``(fp32 [M, N0], fp32
+    [M, N1])``."""
+    N0, N1 = w0.shape[1], w1.shape[1]
+    if block_n is None:
+        block_n = default_block_n(N0 + N1, N0 + N1)
+        block_n = block_n if N0 % block_n == 0 and N1 % block_n == 0 else BLOCK_N
+    if N0 % block_n or N1 % block_n:
+        raise ValueError(f"block_n={block_n} must divide both weights' rows, {N0} and {N1}")
+    return _call(x, ((w0, scale0), (w1, scale1)), layer, act_quant=act_quant,
+                 block_k=block_k, k_splits=k_splits, block_n=block_n, num_warps=num_warps,
+                 num_stages=num_stages, interpret=interpret)
+
+
+def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps, num_stages,
+          interpret):
+    """The kernel over ``weights`` (``((w, scale), ...)``, their rows one after another in
+    the output); the outputs per weight, fp32 ``[M, N_i]``."""
+    M, G, K = x.shape
+    sizes = [w.shape[1] for w, _ in weights]
+    N = sum(sizes)
+    block_k, k_splits = config(N, K, block_k, k_splits, block_n)
     n_k = K // block_k // k_splits
     x = x if act_quant else x.astype(BF16)
+    first_blocks = tuple(int(b) for b in np.cumsum([0] + sizes[:-1]) // block_n)
     kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, n_k=n_k,
                                group_rows=N // G, rows=M, act_quant=act_quant,
-                               interpret=interpret)
+                               interpret=interpret, first_blocks=first_blocks)
     part = pl.pallas_call(
         kernel, grid=(N // block_n, k_splits),
-        in_specs=[pl.BlockSpec(), pl.BlockSpec((ROWS, G, K), lambda nb, ks: (0, 0, 0)),
-                  pl.BlockSpec(), pl.BlockSpec()],
+        in_specs=[pl.BlockSpec(), pl.BlockSpec((ROWS, G, K), lambda nb, ks: (0, 0, 0))]
+        + [pl.BlockSpec()] * (2 * len(weights)),
         out_specs=pl.BlockSpec((None, M, block_n), lambda nb, ks: (ks, 0, nb)),
         out_shape=jax.ShapeDtypeStruct((k_splits, M, N), F32),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_stacked_gemv",
-    )(jnp.reshape(layer, (1,)).astype(I32), x, w, scale)
-    return part[0] if k_splits == 1 else jnp.sum(part, axis=0)
+    )(jnp.reshape(layer, (1,)).astype(I32), x, *[a for pair in weights for a in pair])
+    y = part[0] if k_splits == 1 else jnp.sum(part, axis=0)
+    if len(weights) == 1:
+        return [y]
+    return [y[:, a:a + n] for a, n in zip(np.cumsum([0] + sizes[:-1]), sizes)]
