@@ -149,7 +149,12 @@ class SavedJit:
                 os.replace(tmp, path)
             except Exception:  # noqa: BLE001  (what jax.export refuses, or no flatbuffers to
                 return False   # serialize with, or a directory not writable: plain jit)
-        return jax.jit(exported.call, donate_argnums=self._donate), out_tree
+        # every argument on one device, placed or not: one compiled program for both (without
+        # the sharding, arrays a step returned and fresh ones would compile it twice)
+        device = next((next(iter(x.devices())) for leaves, _ in flat for x in leaves
+                       if isinstance(x, jax.Array) and x.committed), jax.devices()[0])
+        return jax.jit(exported.call, donate_argnums=self._donate,
+                       in_shardings=jax.sharding.SingleDeviceSharding(device)), out_tree
 
     def _export(self, args, flat, static):
         trees = [t for _, t in flat]

@@ -37,8 +37,17 @@ with mock.patch.object(jax.export, "export", side_effect=RuntimeError("no export
         out, s2 = f(jnp.arange(float(n)), s, k=2.0, tag=tag)
         res[name] = {"y": np.asarray(out["y"]).tolist(), "s": np.asarray(s2).tolist(),
                      "donated": s.is_deleted()}
+    # arrays a call returned (placed on the device) and fresh ones share one compiled program
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration")
+        else None)
+    out, s2 = f(jnp.arange(3.0), jnp.arange(4.0), k=2.0, tag=None)
+    out, s3 = f(jax.device_put(jnp.arange(3.0), jax.devices()[0]), s2, k=2.0, tag=None)
+    compiled = len(compiles)
 print(json.dumps({"res": res, "files": sorted(os.listdir(saved_steps.directory())),
-                  "programs": sorted(p is not False for p in f._programs.values())}))
+                  "programs": sorted(p is not False for p in f._programs.values()),
+                  "compiled": compiled}))
 """
 
 MODEL = """
@@ -92,6 +101,7 @@ def test_saved_programs_are_loaded_by_the_next_process(tmp_path):
     assert res["b"]["y"] == [26.0 + 2 * i for i in range(5)] and res["b"]["donated"]
     assert res["obj"] == res["a"] and res["mesh"] == res["a"]
     assert first["programs"] == [False, True, True]     # the object's call took plain jit
+    assert first["compiled"] == 0     # both calls ran the program compiled for the first
 
     d = tmp_path / "dsv41-steps"
     before = {f: _digest(d / f) for f in first["files"]}
