@@ -14,7 +14,8 @@ holds), without tracing the model.
 The artifact's key covers everything the traced program depends on: the function's name, the
 static arguments' ``repr``, the tree structure, shape and dtype of every array argument, the
 digest of this package's sources (:func:`source_digest`), the JAX and jaxlib versions, the
-backend and the device kind. Calls that cannot be saved take the plain ``jax.jit`` path: a
+backend and the device kind, and the JAX options that change a trace (x64, the default matmul
+precision); XLA's flags change only the compile, which the persistent cache keys by them. Calls that cannot be saved take the plain ``jax.jit`` path: a
 mesh among the static arguments (its devices are not part of the key), a static argument
 whose ``repr`` holds an object address, or a program ``jax.export`` refuses. A file that
 cannot be read is written again.
@@ -107,7 +108,7 @@ class SavedJit:
             return self.jitted(*args, **static)
         program = self._programs.get(sig)
         if program is None:
-            program = self._programs[sig] = self._load_or_save(where, args, flat, sig, static)
+            program = self._programs[sig] = self._load_or_save(where, flat, sig, static)
         if program is False:
             return self.jitted(*args, **static)
         call, out_tree = program
@@ -120,12 +121,13 @@ class SavedJit:
         dev = jax.devices()[0]
         h = hashlib.sha256()
         for part in (FORMAT, self._name, text, repr(sig[0]), repr(sig[2]), source_digest(),
-                     jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind):
+                     jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
+                     jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision):
             h.update(repr(part).encode())
             h.update(b"\0")
         return h.hexdigest()
 
-    def _load_or_save(self, where: str, args, flat, sig, static):
+    def _load_or_save(self, where: str, flat, sig, static):
         """``(jitted exported call, output tree)`` from the saved file or a new export, or
         ``False`` where the call cannot be saved."""
         key = self._key(sig, static)
@@ -139,7 +141,7 @@ class SavedJit:
             out_tree = saved["out_tree"]
         except Exception:  # noqa: BLE001  (missing, truncated or stale: export anew)
             try:
-                exported, out_tree = self._export(args, flat, static)
+                exported, out_tree = self._export(flat, static)
                 blob = pickle.dumps({"format": FORMAT, "out_tree": out_tree,
                                      "exported": bytes(exported.serialize())})
                 os.makedirs(where, exist_ok=True)
@@ -156,7 +158,7 @@ class SavedJit:
         return jax.jit(exported.call, donate_argnums=self._donate,
                        in_shardings=jax.sharding.SingleDeviceSharding(device)), out_tree
 
-    def _export(self, args, flat, static):
+    def _export(self, flat, static):
         trees = [t for _, t in flat]
         out_tree = []
 
