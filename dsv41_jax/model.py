@@ -309,30 +309,36 @@ def _in_host_memory(tree) -> bool:
 
 def _pin_stacked(tree):
     """``(scanned, pinned)``: a stacked parameter tree split into what a scan slices per layer
-    and the stored-form FP8 linears (``{"fp8": ...}``, stored-form routed experts aside), the
-    kernel-form routed experts (``{"i4": ...}``) and the Engram tables in host memory, which
-    stay whole: the body hands them on with the layer's index in the stack (``"at"``), so a
-    decode step's GEMV and the grouped matmul read the weights in place instead of a sliced
-    copy (:func:`dsv41_jax.layers.linear.linear`, :mod:`pallas_kernels.grouped_matmul`), and
-    the host tables are never sliced on the device (the rows a step reads are gathered on the
-    host: :func:`dsv41_jax.layers.engram.gather_rows`)."""
+    (the stored-form or bf16 routed experts of the dense and gathered MoE) and what stays
+    whole, everything else: the body takes its layer's slice by index (:func:`_unpin`), so
+    XLA reads a small parameter inside the kernel that uses it (a scan's sliced input is a
+    copy per layer and loop), a decode step's GEMV and the grouped matmul read the FP8
+    linears (``{"fp8": ...}``) and the kernel-form experts (``{"i4": ...}``) in place, and
+    the Engram tables in host memory are never sliced on the device (the rows a step reads
+    are gathered on the host: :func:`dsv41_jax.layers.engram.gather_rows`)."""
     if isinstance(tree, dict):
         if "fp8" in tree or grouped_matmul.is_kernel_form(tree) or _in_host_memory(tree):
             return None, tree
         pairs = {k: (v, None) if k == "experts" and not grouped_matmul.is_kernel_form(v["w1"])
                  else _pin_stacked(v) for k, v in tree.items()}
         return {k: a for k, (a, _) in pairs.items()}, {k: b for k, (_, b) in pairs.items()}
-    return tree, None
+    return None, tree
 
 
 def _unpin(scanned, pinned, at):
-    """This layer's parameters: ``scanned`` (sliced by the scan) with the pinned linears put
-    back as their whole stacks and ``at`` (int32: the layer's index in the flattened stack)."""
+    """This layer's parameters: ``scanned`` (sliced by the scan) with the pinned ones put
+    back: an array as its layer's slice of the stack, the FP8 linears, kernel-form experts
+    and host tables as their whole stacks with ``at`` (int32: the layer's index in the
+    flattened stack ``[units * layers, ...]``)."""
     if pinned is None:
         return scanned
+    if not isinstance(pinned, dict):
+        return jax.lax.dynamic_index_in_dim(pinned.reshape(-1, *pinned.shape[2:]), at,
+                                            keepdims=False)
     if "fp8" in pinned or grouped_matmul.is_kernel_form(pinned) or _in_host_memory(pinned):
         return {**pinned, "at": at}
-    return {k: _unpin(scanned[k], pinned[k], at) for k in scanned}
+    return {k: _unpin(None if scanned is None else scanned.get(k), pinned[k], at)
+            for k in pinned}
 
 
 def _unstack(tree, n):
@@ -363,8 +369,6 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
         r1 = [i for i, s in state.sources.items() if s.tail is None]
         if r1:
             stale = (state.sources[r1[0]].index, state.sources[r1[0]].index_scale)
-    windows = tuple(_stack([state.windows[u[start + j]] for u in g.units for j in range(length)],
-                           (U, length)) for start, length in g.runs)
     own_src = _stack([state.sources[u[0]] for u in g.units], (U,)) if owns else None
     skip = g.head == skip_kv_layer
     if head_role.owns_index:
@@ -388,52 +392,64 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
 
     scanned_p, pinned_p = zip(*[_pin_stacked(rp) for rp in runs_p])
 
+    # the group's window rings side by side ([B, layers * W, ...], layer f of the group at
+    # rows f*W..f*W+W-1, f = unit * layers per unit + index in the unit): carried through
+    # the scans and updated in place (docs/architecture.md, "Scanned layer groups")
+    W = cfg.window_size
+    per_unit = len(g.units[0])
+    flat = [L for ids in g.units for L in ids]
+    rings = st.WindowRing(kv=jnp.concatenate([state.windows[L].kv for L in flat], axis=1),
+                          scale=jnp.concatenate([state.windows[L].scale for L in flat], axis=1))
+
     def unit(carry, xs):
-        X, pre_mix, bus = carry
-        p_runs, w_runs, src, u = xs
+        X, pre_mix, bus, rings = carry
+        p_runs, src, u = xs
         src = ext_src if src is None else src
-        new_w, recs = [], []
+        recs = []
         for r, ((start, length), role) in enumerate(zip(g.runs, roles)):
             if length == 1:
-                ls = st.LayerState(window=jax.tree.map(lambda a: a[0], w_runs[r]), source=src,
-                                   stale_index=stale[0], stale_index_scale=stale[1])
+                ls = st.LayerState(window=rings, window_at=(u * per_unit + start) * W,
+                                   source=src, stale_index=stale[0],
+                                   stale_index_scale=stale[1])
                 p = _unpin(jax.tree.map(lambda a: a[0], p_runs[r]), pinned_p[r], u)
                 X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus,
                                                  unit_ids[u, start])
                 if role.owns_kv:
                     src = ls.source
-                new_w.append(jax.tree.map(lambda a: a[None], ls.window))
+                rings = ls.window
                 recs.append(jax.tree.map(lambda a: a[None], rec))
             else:
-                def inner(c, xs2, role=role, src=src, r=r, length=length):
-                    X, pre_mix, bus = c
-                    p, w, j = xs2
-                    ls = st.LayerState(window=w, source=src)
+                def inner(c, xs2, role=role, src=src, r=r, length=length, start=start):
+                    X, pre_mix, bus, rings = c
+                    p, j = xs2
+                    ls = st.LayerState(window=rings, window_at=(u * per_unit + start + j) * W,
+                                       source=src)
                     p = _unpin(p, pinned_p[r], u * length + j)
                     X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus,
                                                      unit_ids[u, start + j])
-                    return (X, pre_mix, bus), (ls.window, rec)
-                (X, pre_mix, bus), (w, rec) = jax.lax.scan(
-                    inner, (X, pre_mix, bus),
-                    (p_runs[r], w_runs[r], jnp.arange(length, dtype=jnp.int32)))
-                new_w.append(w)
+                    return (X, pre_mix, bus, ls.window), rec
+                (X, pre_mix, bus, rings), rec = jax.lax.scan(
+                    inner, (X, pre_mix, bus, rings),
+                    (p_runs[r], jnp.arange(length, dtype=jnp.int32)))
                 recs.append(rec)
-        return (X, pre_mix, bus), (tuple(new_w), src if owns else None, recs)
+        return (X, pre_mix, bus, rings), (src if owns else None, recs)
 
-    xs = (tuple(scanned_p), windows, own_src, jnp.arange(U, dtype=jnp.int32))
+    xs = (tuple(scanned_p), own_src, jnp.arange(U, dtype=jnp.int32))
     if U == 1:
-        carry, ys = unit((X, pre_mix, bus), jax.tree.map(lambda a: a[0], xs))
+        carry, ys = unit((X, pre_mix, bus, rings), jax.tree.map(lambda a: a[0], xs))
         ys = jax.tree.map(lambda a: a[None], ys)
     else:
-        carry, ys = jax.lax.scan(unit, (X, pre_mix, bus), xs)
-    X, pre_mix, bus = carry
-    new_w, new_src, recs = ys
+        carry, ys = jax.lax.scan(unit, (X, pre_mix, bus, rings), xs)
+    X, pre_mix, bus, rings = carry
+    new_src, recs = ys
     wins = list(state.windows)
     records = {}
+    for f, L in enumerate(flat):
+        wins[L] = st.WindowRing(kv=rings.kv[:, f * W:(f + 1) * W],
+                                scale=rings.scale[:, f * W:(f + 1) * W])
     for u, ids in enumerate(g.units):
         for r, (start, length) in enumerate(g.runs):
             for j in range(length):
-                wins[ids[start + j]] = jax.tree.map(lambda a: a[u, j], new_w[r])
                 if collect:
                     records[ids[start + j]] = jax.tree.map(lambda a: a[u, j], recs[r])
     sources = dict(state.sources)

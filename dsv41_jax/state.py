@@ -139,6 +139,10 @@ class LayerState:
     source: Optional[KVSource] = None
     stale_index: Optional[Any] = None
     stale_index_scale: Optional[Any] = None
+    # int32 scalar: where the layer's ring starts when ``window`` holds the rings of several
+    # layers side by side ([B, n*W, ...], a scanned layer group's); None: ``window`` is the
+    # layer's own ring
+    window_at: Optional[Any] = None
 
     def replace(self, **kw) -> "LayerState":
         return dataclasses.replace(self, **kw)
@@ -202,6 +206,32 @@ def capacity_of(state: InferenceState, cfg: ModelConfig) -> int:
 def read_ring(ring: WindowRing) -> Float[Array, "B W K"]:
     """Dequantised window ring (bf16): exactly the reference's QDQ'd window KV."""
     return quant.fp8_dequantize(ring.kv, ring.scale, 32, BF16)
+
+
+def ring_at(rings: WindowRing, at, W: int) -> WindowRing:
+    """The ring of ``W`` slots starting at row ``at`` (int32 scalar) of ``rings`` ([B, n*W,
+    ...]: several layers' rings side by side)."""
+    return WindowRing(kv=jax.lax.dynamic_slice_in_dim(rings.kv, at, W, axis=1),
+                      scale=jax.lax.dynamic_slice_in_dim(rings.scale, at, W, axis=1))
+
+
+def put_ring_at(rings: WindowRing, ring: WindowRing, at) -> WindowRing:
+    """``rings`` with the ring starting at row ``at`` replaced by ``ring``."""
+    return WindowRing(kv=jax.lax.dynamic_update_slice_in_dim(rings.kv, ring.kv, at, axis=1),
+                      scale=jax.lax.dynamic_update_slice_in_dim(rings.scale, ring.scale, at,
+                                                                axis=1))
+
+
+def write_ring_rows_at(rings: WindowRing, kv: jax.Array, scale: jax.Array, at, W: int,
+                       p: Int[Array, "B"], n: Int[Array, "B"]) -> WindowRing:
+    """One position per row (``p``; decode) written in place into the ``W``-slot ring starting
+    at row ``at`` of ``rings`` ([B, n*W, ...]): slot ``p mod W``; rows with ``n == 0`` keep
+    theirs. ``kv`` [B, 1, K], ``scale`` [B, 1, K/32]: what :func:`write_ring` does to that
+    ring, as one row scattered per batch row."""
+    b = jnp.arange(p.shape[0])
+    slot = jnp.where(n > 0, at + jnp.mod(p, W), rings.kv.shape[1])   # out of range: dropped
+    return WindowRing(kv=rings.kv.at[b, slot].set(kv[:, 0], mode="drop"),
+                      scale=rings.scale.at[b, slot].set(scale[:, 0], mode="drop"))
 
 
 def write_ring(ring: WindowRing, kv: jax.Array, scale: jax.Array, p0: Int[Array, "B"],

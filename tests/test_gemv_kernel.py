@@ -207,6 +207,36 @@ def test_pair_matches_two_calls(M, K, N0, N1, L, act_quant, tune):
                            jnp.int32(0), impl="gpu_interpret", block_n=64)
 
 
+@pytest.mark.parametrize("M, tune", [(1, {}), (3, {"block_k": 128, "k_splits": 2}),
+                                     (16, {"block_n": 64})])
+def test_bf16_out_is_the_fp32_sums_rounded_once(M, tune):
+    """``out_dtype=bfloat16``: the kernel stores its fp32 sums rounded once (in the store
+    without a K split, after the partial sums' reduction with one), bitwise equal to the fp32
+    result converted, for one GEMV and a pair; the XLA path the same way; another dtype is
+    refused."""
+    rng = np.random.default_rng(11)
+    w, s = _stack(rng, 2, 128, 256)
+    w1, s1 = _stack(rng, 2, 64, 256)
+    x = jnp.asarray(rng.normal(0, 1, (M, 1, 256)), jnp.bfloat16)
+    at = jnp.int32(1)
+    for impl in ("gpu_interpret", "xla"):
+        kw = tune if impl == "gpu_interpret" else {}
+        y32 = gemv.fp8_gemv(x, w, s, at, act_quant=True, impl=impl, **kw)
+        y16 = gemv.fp8_gemv(x, w, s, at, act_quant=True, out_dtype=jnp.bfloat16, impl=impl,
+                            **kw)
+        assert y32.dtype == jnp.float32 and y16.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(y16).view(np.uint16),
+                                      np.asarray(y32.astype(jnp.bfloat16)).view(np.uint16))
+        p32 = gemv.fp8_gemv_pair(x, w, s, w1, s1, at, impl=impl, **kw)
+        p16 = gemv.fp8_gemv_pair(x, w, s, w1, s1, at, out_dtype=jnp.bfloat16, impl=impl, **kw)
+        for a, b in zip(p16, p32):
+            assert a.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                          np.asarray(b.astype(jnp.bfloat16)).view(np.uint16))
+    with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16"):
+        gemv.fp8_gemv(x, w, s, at, out_dtype=jnp.float16, impl="gpu_interpret")
+
+
 def test_pair_lowers_for_h200():
     """The mid config's ``wq_a`` and ``wkv`` (2048 -> 1280 and 512, 15 layers) as one Triton
     kernel built for an H200."""

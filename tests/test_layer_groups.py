@@ -73,3 +73,43 @@ def test_prepare_params_layer_roundtrip(small):
                                       np.asarray(want["attn_norm"]["weight"]))
     with pytest.raises(ValueError, match="outside the model's 8 layers"):
         model.layer_params(prep, cfg, 8)
+
+
+def test_decode_rings_in_place_equal_copies(monkeypatch):
+    """A decode step on the attention kernels (interpret mode) writes each layer's new window
+    row into the scanned group's rings in place and lists the ring slots
+    (``attention.RING_IN_PLACE``): logits and every state array bitwise equal to the copy
+    with the row appended, over several steps on groups whose units and runs both repeat,
+    with a batch row that starts later (its window not yet full); the rings also bitwise
+    equal to the XLA path's."""
+    from configs_util import scanned_tiny_config
+    from dsv41_jax import state as st
+    from dsv41_jax.layers import attention
+    from dsv41_jax.random_weights import random_params_device
+
+    cfg = scanned_tiny_config()
+    params = model.prepare_params(random_params_device(cfg, 3), cfg)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, cfg.vocab_size, (2, 21)).astype(np.int32)
+    lengths = np.array([21, 6])
+
+    def run(impl, in_place):
+        monkeypatch.setattr(attention, "RING_IN_PLACE", in_place)
+        state = st.init_state(cfg, 2, 64)
+        out, state = model.prefill(params, cfg, tokens, state, lengths, attn_impl=impl)
+        logits = [np.asarray(out.logits)]
+        for _ in range(cfg.window_size + 3):          # past a full ring
+            lg, state = model.decode_step(params, cfg, state, logits[-1].argmax(-1),
+                                          attn_impl=impl)
+            logits.append(np.asarray(lg))
+        return logits, jax.tree.map(np.asarray, state)
+
+    lg_in, s_in = run("gpu_interpret", True)
+    lg_copy, s_copy = run("gpu_interpret", False)
+    for a, b in zip(lg_in, lg_copy):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(s_in), jax.tree.leaves(s_copy)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    _, s_xla = run("xla", True)
+    for a, b in zip(jax.tree.leaves(s_in.windows), jax.tree.leaves(s_xla.windows)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))

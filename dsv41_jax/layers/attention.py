@@ -76,6 +76,12 @@ class Bus:
     feature_rows: Any = None
 
 
+#: A decode step on the attention kernels writes the new window row into the (scanned
+#: group's) rings in place and lists the ring slots, instead of a copy of the ring with the
+#: row appended (docs/architecture.md, "Scanned layer groups"); False: the copy.
+RING_IN_PLACE = True
+
+
 # ----------------------------------------------------------------------------- sparse attention
 
 
@@ -205,7 +211,11 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     qr, q = queries(p, x, cfg, cos, sin, qa)
     kv_codes, kv_scale = window_kv(p, x, cfg, cos, sin, kva)
     kv = quant.fp8_dequantize(kv_codes, kv_scale, 32, BF16)
-    ring = ls.window
+    at = ls.window_at
+    # a decode step on the kernels reads the ring in place, the new row written first (its
+    # slot held position p - W, outside the window); otherwise the layer's own ring
+    in_place = RING_IN_PLACE and at is not None and ch.decode and ch.attn_impl != "xla"
+    ring = ls.window if at is None or in_place else st.ring_at(ls.window, at, W)
     widx, wok = window_list(ch, W)
     src = topk = None
     if role.ratio > 0:
@@ -231,15 +241,27 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
         # kernels read the packed rows themselves: FP8 window rows (ring slots, then the
         # chunk's rows) and the FP4 main KV, through index lists with -1 = no entry
         qv = ch.valid[..., None]
+        if in_place:
+            ring = st.write_ring_rows_at(ring, kv_codes, kv_scale, at, W, ch.p0, ch.n)
+            win_kv, win_scale = ring.kv, ring.scale
+            widx = at + jnp.where(widx >= W, jnp.mod(ch.p0, W)[:, None, None], widx)
+        else:
+            win_kv = jnp.concatenate([ring.kv, kv_codes], axis=1)
+            win_scale = jnp.concatenate([ring.scale, kv_scale], axis=1)
         o, _ = sparse_attention_op(
-            q, jnp.concatenate([ring.kv, kv_codes], axis=1),
-            jnp.concatenate([ring.scale, kv_scale], axis=1),
+            q, win_kv, win_scale,
             jnp.where(wok & qv, widx, -1),
             None if src is None else src.main, None if src is None else src.main_scale,
             None if src is None else jnp.where(qv, topk, -1),
             p["attn_sink"].astype(F32), scale=K ** -0.5, impl=ch.attn_impl)
     out = output_projection(p, o, cfg, cos, sin)
-    ls = ls.replace(window=st.write_ring(ring, kv_codes, kv_scale, ch.p0, ch.n))
+    if in_place:
+        ls = ls.replace(window=ring)
+    elif at is None:
+        ls = ls.replace(window=st.write_ring(ring, kv_codes, kv_scale, ch.p0, ch.n))
+    else:
+        ls = ls.replace(window=st.put_ring_at(
+            ls.window, st.write_ring(ring, kv_codes, kv_scale, ch.p0, ch.n), at))
     return out, ls, bus
 
 

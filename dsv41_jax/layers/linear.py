@@ -92,10 +92,12 @@ def _in_stack(p: dict) -> dict:
             "scale": jax.lax.dynamic_index_in_dim(s, p["at"], 0, keepdims=False)}
 
 
-def _stack_gemv(x: jax.Array, p: dict, act_quant: bool = False) -> jax.Array | None:
-    """fp32 ``x [..., G, K] @ W[at].T`` by the GPU kernel that reads the weight in place in its
-    stack (:func:`pallas_kernels.gemv.fp8_gemv`; ``act_quant``: the FP8 QDQ of ``x`` inside
-    it), or None where it does not apply (no stack, not a GPU, shapes it does not take)."""
+def _stack_gemv(x: jax.Array, p: dict, act_quant: bool = False,
+                out_dtype=F32) -> jax.Array | None:
+    """``x [..., G, K] @ W[at].T`` (fp32 sums, rounded to ``out_dtype``) by the GPU kernel
+    that reads the weight in place in its stack (:func:`pallas_kernels.gemv.fp8_gemv`;
+    ``act_quant``: the FP8 QDQ of ``x`` inside it), or None where it does not apply (no
+    stack, not a GPU, shapes it does not take)."""
     if "at" not in p or not on_gpu():
         return None
     w, s = p["fp8"], p["scale"]
@@ -103,7 +105,8 @@ def _stack_gemv(x: jax.Array, p: dict, act_quant: bool = False) -> jax.Array | N
     x3 = x.reshape(-1, *x.shape[-2:])
     if not gemv.kernel_fits(x3.shape, w.shape):
         return None
-    y = gemv.fp8_gemv(x3, w, s, p["at"], act_quant=act_quant, impl="gpu")
+    y = gemv.fp8_gemv(x3, w, s, p["at"], act_quant=act_quant, out_dtype=out_dtype,
+                      impl="gpu")
     return y.reshape(*x.shape[:-2], -1)
 
 
@@ -131,9 +134,9 @@ def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
     if w is not None and w.dtype == F32:
         return jnp.einsum("...i,oi->...o", x.astype(F32), w, precision=HIGHEST,
                           preferred_element_type=F32)
-    y = _stack_gemv(x[..., None, :], p, act_quant=is_quantized(p))
+    y = _stack_gemv(x[..., None, :], p, act_quant=is_quantized(p), out_dtype=BF16)
     if y is not None:
-        return y.astype(BF16)
+        return y
     if is_quantized(p):
         x = quant.act_quant_qdq(x, 32)
     p = _in_stack(p)
@@ -164,9 +167,9 @@ def linear_pair(x: Float[Array, "... I"], p0: dict, p1: dict
         x3 = x.reshape(-1, 1, x.shape[-1])
         if gemv.pair_fits(x3.shape, w0.shape, w1.shape):
             y0, y1 = gemv.fp8_gemv_pair(x3, w0, s0, w1, s1, p0["at"],
-                                        act_quant=is_quantized(p0), impl="gpu")
-            return (y0.reshape(*x.shape[:-1], -1).astype(BF16),
-                    y1.reshape(*x.shape[:-1], -1).astype(BF16))
+                                        act_quant=is_quantized(p0), out_dtype=BF16,
+                                        impl="gpu")
+            return y0.reshape(*x.shape[:-1], -1), y1.reshape(*x.shape[:-1], -1)
     return linear(x, p0), linear(x, p1)
 
 
@@ -175,9 +178,9 @@ def grouped_linear(x: Float[Array, "... G I"], p: dict) -> Float[Array, "... G O
     weight (``[G*O, I]``), fp32 accumulation, bf16 out, no activation quantisation (the
     grouped output projection, docs/architecture.md, "Output projection")."""
     G = x.shape[-2]
-    y = _stack_gemv(x, p)
+    y = _stack_gemv(x, p, out_dtype=BF16)
     if y is not None:
-        return y.reshape(*x.shape[:-1], -1).astype(BF16)
+        return y.reshape(*x.shape[:-1], -1)
     p = _in_stack(p)
     if "fp8" in p and _rows(x) // G <= SMALL_ROWS:
         w = quant.dequant_fp8_weight(p["fp8"], p["scale"], 32, F32)

@@ -20,6 +20,7 @@ the shapes fit: at most 16 rows, ``N`` a multiple of 32 and of ``32 * G``, ``K``
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels import impls
@@ -47,44 +48,56 @@ def pair_fits(x_shape: tuple, w0_shape: tuple, w1_shape: tuple) -> bool:
             and w0_shape[0] * (w0_shape[1] + w1_shape[1]) * w0_shape[2] < 2 ** 31)
 
 
+def _check_out_dtype(out_dtype):
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype!r}")
+
+
 def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
-             layer: Int[Array, ""], *, act_quant: bool = False, impl: str = "auto",
-             **tuning) -> Float[Array, "M N"]:
+             layer: Int[Array, ""], *, act_quant: bool = False, out_dtype=jnp.float32,
+             impl: str = "auto", **tuning) -> Float[Array, "M N"]:
     """See the module docstring. ``act_quant``: FP8 QDQ of ``x`` per 32 inputs first (a
     quantised linear's activation quantisation; the kernel applies it to its tiles, so no
-    separate kernels compute it). ``tuning``: ``block_k``, ``k_splits``, ``block_n``,
+    separate kernels compute it). ``out_dtype``: the result's dtype, the fp32 sums rounded
+    to it once (float32 or bfloat16; the GPU kernel stores it directly where K is not
+    split, so no conversion kernel follows it). ``tuning``: ``block_k``, ``k_splits``, ``block_n``,
     ``num_warps``, ``num_stages`` of the GPU kernel. Raises ``ValueError`` for an unknown ``impl`` or, with
-    ``impl="gpu"``, shapes the kernel does not take."""
+    ``impl="gpu"``, shapes the kernel does not take, and for an ``out_dtype`` other than
+    float32 / bfloat16."""
     impl = impls.check_family(impl)
     if impl == "auto":
         impl = "gpu" if impls.on_gpu() and kernel_fits(x.shape, w.shape) else "xla"
+    _check_out_dtype(out_dtype)
     if impl in ("xla", "tpu", "tpu_interpret"):
-        return reference.fp8_gemv(x, w, scale, layer, act_quant)
+        return reference.fp8_gemv(x, w, scale, layer, act_quant).astype(out_dtype)
     if not kernel_fits(x.shape, w.shape):
         raise ValueError(f"fp8_gemv: the GPU kernel does not take x {x.shape} with w {w.shape}")
     return triton.fp8_gemv(x, w, scale, layer, act_quant=act_quant,
+                           out_dtype=jnp.dtype(out_dtype).name,
                            interpret=impls.interpret(impl), **tuning)
 
 
 def fp8_gemv_pair(x: Float[Array, "M 1 K"], w0: jax.Array, scale0: UInt8[Array, "L Go0 Gi"],
                   w1: jax.Array, scale1: UInt8[Array, "L Go1 Gi"], layer: Int[Array, ""], *,
-                  act_quant: bool = False, impl: str = "auto", **tuning
-                  ) -> tuple[Float[Array, "M N0"], Float[Array, "M N1"]]:
+                  act_quant: bool = False, out_dtype=jnp.float32, impl: str = "auto",
+                  **tuning) -> tuple[Float[Array, "M N0"], Float[Array, "M N1"]]:
     """:func:`fp8_gemv` of two weight stacks that read the same input (a layer's ``wq_a`` and
     ``wkv``, a shared expert's ``w1`` and ``w3``): ``(x @ W0[layer].T, x @ W1[layer].T)``. The
     GPU kernel runs both in one launch (its programs' row blocks span the two weights), so a
     decode step launches one kernel, and one partial-sum reduction, where it launched two.
     Raises ``ValueError`` as :func:`fp8_gemv` (``impl="gpu"``: shapes :func:`pair_fits`
-    refuses)."""
+    refuses) and an ``out_dtype`` other than float32 / bfloat16."""
     impl = impls.check_family(impl)
     if impl == "auto":
         impl = "gpu" if impls.on_gpu() and pair_fits(x.shape, w0.shape, w1.shape) else "xla"
+    _check_out_dtype(out_dtype)
     if impl in ("xla", "tpu", "tpu_interpret"):
-        return (reference.fp8_gemv(x, w0, scale0, layer, act_quant),
-                reference.fp8_gemv(x, w1, scale1, layer, act_quant))
+        return (reference.fp8_gemv(x, w0, scale0, layer, act_quant).astype(out_dtype),
+                reference.fp8_gemv(x, w1, scale1, layer, act_quant).astype(out_dtype))
     if not pair_fits(x.shape, w0.shape, w1.shape):
         raise ValueError(f"fp8_gemv_pair: the GPU kernel does not take x {x.shape} with w "
                          f"{w0.shape} and {w1.shape}")
     y0, y1 = triton.fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, act_quant=act_quant,
+                                  out_dtype=jnp.dtype(out_dtype).name,
                                   interpret=impls.interpret(impl), **tuning)
     return y0, y1

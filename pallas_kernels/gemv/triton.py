@@ -140,7 +140,7 @@ def _store(o_ref, accs, rows):
     subs = len(accs)
     if rows == ROWS:
         for j in range(subs):
-            o_ref[:, pl.ds(j * BLOCK_N, BLOCK_N)] = accs[j]
+            o_ref[:, pl.ds(j * BLOCK_N, BLOCK_N)] = accs[j].astype(o_ref.dtype)
         return
     # only the input's rows are written (a decode step of batch 1 writes 1 of the 16): each
     # picked out of the tile by a sum whose other terms are zeros (exact)
@@ -148,7 +148,7 @@ def _store(o_ref, accs, rows):
     for j in range(subs):
         for m in range(rows):
             o_ref[m, pl.ds(j * BLOCK_N, BLOCK_N)] = jnp.sum(
-                jnp.where(pick == m, accs[j], 0.0), axis=0)
+                jnp.where(pick == m, accs[j], 0.0), axis=0).astype(o_ref.dtype)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -199,9 +199,10 @@ def default_block_n(N: int, group_rows: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("act_quant", "block_k", "k_splits", "block_n",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret",
+                                             "out_dtype"))
 def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None,
-             block_n=None, num_warps=4, num_stages=3, interpret=False):
+             block_n=None, num_warps=4, num_stages=3, interpret=False, out_dtype="float32"):
     """See :func:`pallas_kernels.gemv.fp8_gemv`; ``x`` [M <= 16, G, K] (bf16, or with
     ``act_quant`` any float dtype, quantised from its own values). ``block_n``: output rows per
     program (32-row blocks sharing the input tile and its act-quant; default
@@ -213,19 +214,21 @@ def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None
         raise ValueError(f"block_n={block_n} must divide the rows of a group, N / G = {N // G}")
     [y] = _call(x, ((w, scale),), layer, act_quant=act_quant, block_k=block_k,
                 k_splits=k_splits, block_n=block_n, num_warps=num_warps,
-                num_stages=num_stages, interpret=interpret)
+                num_stages=num_stages, interpret=interpret, out_dtype=out_dtype)
     return y
 
 
 @functools.partial(jax.jit, static_argnames=("act_quant", "block_k", "k_splits", "block_n",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret",
+                                             "out_dtype"))
 def fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, *, act_quant=False, block_k=None,
-                  k_splits=None, block_n=None, num_warps=4, num_stages=3, interpret=False):
+                  k_splits=None, block_n=None, num_warps=4, num_stages=3, interpret=False,
+                  out_dtype="float32"):
     """See :func:`pallas_kernels.gemv.fp8_gemv_pair`: two weight stacks ``[L, N0, K]``,
     ``[L, N1, K]`` on one input ``x [M, 1, K]`` in one launch (the programs of each row block
     run on its weight). ``block_n`` (default :func:`default_block_n` of ``N0 + N1``, 32 where
-    it does not divide both) must divide ``N0`` and ``N1``. Returns ``(fp32 [M, N0], fp32
-    [M, N1])``."""
+    it does not divide both) must divide ``N0`` and ``N1``. Returns ``([M, N0], [M, N1])`` of
+    ``out_dtype``."""
     N0, N1 = w0.shape[1], w1.shape[1]
     if block_n is None:
         block_n = default_block_n(N0 + N1, N0 + N1)
@@ -234,13 +237,15 @@ def fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, *, act_quant=False, block_k=
         raise ValueError(f"block_n={block_n} must divide both weights' rows, {N0} and {N1}")
     return _call(x, ((w0, scale0), (w1, scale1)), layer, act_quant=act_quant,
                  block_k=block_k, k_splits=k_splits, block_n=block_n, num_warps=num_warps,
-                 num_stages=num_stages, interpret=interpret)
+                 num_stages=num_stages, interpret=interpret, out_dtype=out_dtype)
 
 
 def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps, num_stages,
-          interpret):
+          interpret, out_dtype="float32"):
     """The kernel over ``weights`` (``((w, scale), ...)``, their rows one after another in
-    the output); the outputs per weight, fp32 ``[M, N_i]``."""
+    the output); the outputs per weight, ``[M, N_i]`` of ``out_dtype`` (the fp32 sums
+    rounded once: in the kernel's store without a K split, after the partial sums' reduction
+    with one)."""
     M, G, K = x.shape
     sizes = [w.shape[1] for w, _ in weights]
     N = sum(sizes)
@@ -256,11 +261,11 @@ def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps
         in_specs=[pl.BlockSpec(), pl.BlockSpec((ROWS, G, K), lambda nb, ks: (0, 0, 0))]
         + [pl.BlockSpec()] * (2 * len(weights)),
         out_specs=pl.BlockSpec((None, M, block_n), lambda nb, ks: (ks, 0, nb)),
-        out_shape=jax.ShapeDtypeStruct((k_splits, M, N), F32),
+        out_shape=jax.ShapeDtypeStruct((k_splits, M, N), F32 if k_splits > 1 else out_dtype),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_stacked_gemv",
     )(jnp.reshape(layer, (1,)).astype(I32), x, *[a for pair in weights for a in pair])
-    y = part[0] if k_splits == 1 else jnp.sum(part, axis=0)
+    y = part[0] if k_splits == 1 else jnp.sum(part, axis=0).astype(out_dtype)
     if len(weights) == 1:
         return [y]
     return [y[:, a:a + n] for a, n in zip(np.cumsum([0] + sizes[:-1]), sizes)]
