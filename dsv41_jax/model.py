@@ -307,6 +307,24 @@ def _in_host_memory(tree) -> bool:
         == jax.memory.Space.Host for a in tree.values()))
 
 
+#: Whether a decode step runs each unit's Reuse layers unrolled instead of as an inner
+#: ``lax.scan`` (the same computation): no loop-counter kernels, and the layers' small
+#: parameters become static slices that XLA reads inside the kernels using them (``mid`` on
+#: an H200, counted by ``tools/gpu_launches.py``: 2,517 -> 2,379 launches per step) for
+#: some 10 s more of the first call's compile. ``"gpu"`` (on an NVIDIA GPU), ``"always"`` or
+#: ``"never"``; prefill chunks keep the loop either way.
+UNROLL_DECODE_RUNS = "gpu"
+
+
+def _unrolled_runs(ch: Chunk) -> bool:
+    """Whether this chunk's inner scans are unrolled (:data:`UNROLL_DECODE_RUNS`)."""
+    if UNROLL_DECODE_RUNS not in ("gpu", "always", "never"):
+        raise ValueError(f"UNROLL_DECODE_RUNS must be 'gpu', 'always' or 'never', got "
+                         f"{UNROLL_DECODE_RUNS!r}")
+    return ch.decode and (UNROLL_DECODE_RUNS == "always"
+                          or UNROLL_DECODE_RUNS == "gpu" and on_gpu())
+
+
 def _pin_stacked(tree):
     """``(scanned, pinned)``: a stacked parameter tree split into what a scan slices per layer
     (the stored-form or bf16 routed experts of the dense and gathered MoE) and what stays
@@ -430,7 +448,8 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
                     return (X, pre_mix, bus, ls.window), rec
                 (X, pre_mix, bus, rings), rec = jax.lax.scan(
                     inner, (X, pre_mix, bus, rings),
-                    (p_runs[r], jnp.arange(length, dtype=jnp.int32)))
+                    (p_runs[r], jnp.arange(length, dtype=jnp.int32)),
+                    unroll=length if _unrolled_runs(ch) else 1)
                 recs.append(rec)
         return (X, pre_mix, bus, rings), (src if owns else None, recs)
 

@@ -95,6 +95,7 @@ def test_decode_rings_in_place_equal_copies(monkeypatch):
 
     def run(impl, in_place):
         monkeypatch.setattr(attention, "RING_IN_PLACE", in_place)
+        jax.clear_caches()        # the switch is read when the step is traced
         state = st.init_state(cfg, 2, 64)
         out, state = model.prefill(params, cfg, tokens, state, lengths, attn_impl=impl)
         logits = [np.asarray(out.logits)]
@@ -113,3 +114,38 @@ def test_decode_rings_in_place_equal_copies(monkeypatch):
     _, s_xla = run("xla", True)
     for a, b in zip(jax.tree.leaves(s_in.windows), jax.tree.leaves(s_xla.windows)):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_unrolled_decode_runs_equal_the_loop(monkeypatch):
+    """``UNROLL_DECODE_RUNS``: decode steps with each unit's Reuse layers unrolled equal the
+    inner ``lax.scan`` bitwise (logits and every state array), on groups whose units and runs
+    both repeat; an unknown setting is refused."""
+    from configs_util import scanned_tiny_config
+    from dsv41_jax import state as st
+    from dsv41_jax.random_weights import random_params_device
+
+    cfg = scanned_tiny_config()
+    params = model.prepare_params(random_params_device(cfg, 4), cfg)
+    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
+
+    def run(setting):
+        monkeypatch.setattr(model, "UNROLL_DECODE_RUNS", setting)
+        jax.clear_caches()        # the switch is read when the step is traced
+        state = st.init_state(cfg, 2, 32)
+        out, state = model.prefill(params, cfg, tokens, state, np.array([9, 4]))
+        logits = [np.asarray(out.logits)]
+        for _ in range(3):
+            lg, state = model.decode_step(params, cfg, state, logits[-1].argmax(-1))
+            logits.append(np.asarray(lg))
+        return logits, jax.tree.map(np.asarray, state)
+
+    lg_u, s_u = run("always")
+    lg_l, s_l = run("never")
+    for a, b in zip(lg_u, lg_l):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(s_u), jax.tree.leaves(s_l)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    monkeypatch.setattr(model, "UNROLL_DECODE_RUNS", "sometimes")
+    jax.clear_caches()
+    with pytest.raises(ValueError, match="UNROLL_DECODE_RUNS must be"):
+        model.decode_step(params, cfg, st.init_state(cfg, 2, 32), np.array([1, 2]))
