@@ -410,14 +410,19 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
 
     scanned_p, pinned_p = zip(*[_pin_stacked(rp) for rp in runs_p])
 
-    # the group's window rings side by side ([B, layers * W, ...], layer f of the group at
-    # rows f*W..f*W+W-1, f = unit * layers per unit + index in the unit): carried through
-    # the scans and updated in place (docs/architecture.md, "Scanned layer groups")
+    # the group's window rings side by side ([B, layers * W + 1, ...], layer f of the group
+    # at rows f*W..f*W+W-1, f = unit * layers per unit + index in the unit, and a spare last
+    # row for the writes of rows with nothing to write): carried through the scans and
+    # updated in place (docs/architecture.md, "Scanned layer groups")
     W = cfg.window_size
     per_unit = len(g.units[0])
     flat = [L for ids in g.units for L in ids]
-    rings = st.WindowRing(kv=jnp.concatenate([state.windows[L].kv for L in flat], axis=1),
-                          scale=jnp.concatenate([state.windows[L].scale for L in flat], axis=1))
+
+    def side_by_side(arrays):
+        spare = jnp.zeros((arrays[0].shape[0], 1, *arrays[0].shape[2:]), arrays[0].dtype)
+        return jnp.concatenate([*arrays, spare], axis=1)
+    rings = st.WindowRing(kv=side_by_side([state.windows[L].kv for L in flat]),
+                          scale=side_by_side([state.windows[L].scale for L in flat]))
 
     def unit(carry, xs):
         X, pre_mix, bus, rings = carry

@@ -225,13 +225,19 @@ def put_ring_at(rings: WindowRing, ring: WindowRing, at) -> WindowRing:
 def write_ring_rows_at(rings: WindowRing, kv: jax.Array, scale: jax.Array, at, W: int,
                        p: Int[Array, "B"], n: Int[Array, "B"]) -> WindowRing:
     """One position per row (``p``; decode) written in place into the ``W``-slot ring starting
-    at row ``at`` of ``rings`` ([B, n*W, ...]): slot ``p mod W``; rows with ``n == 0`` keep
-    theirs. ``kv`` [B, 1, K], ``scale`` [B, 1, K/32]: what :func:`write_ring` does to that
-    ring, as one row scattered per batch row."""
+    at row ``at`` of ``rings`` ([B, n*W + 1, ...]: several layers' rings side by side and one
+    spare row, which takes the writes of the rows with ``n == 0``): slot ``p mod W``.
+    ``kv`` [B, 1, K], ``scale`` [B, 1, K/32]: what :func:`write_ring` does to that ring, as one
+    row written per batch row (no read of the old row)."""
+    slot = jnp.where(n > 0, at + jnp.mod(p, W), rings.kv.shape[1] - 1)
+    if p.shape[0] == 1:       # a slice update: no guard of the old row (a scatter's is one)
+        z = jnp.zeros((), slot.dtype)
+        return WindowRing(
+            kv=jax.lax.dynamic_update_slice(rings.kv, kv[:, :1], (z, slot[0], z)),
+            scale=jax.lax.dynamic_update_slice(rings.scale, scale[:, :1], (z, slot[0], z)))
     b = jnp.arange(p.shape[0])
-    slot = jnp.where(n > 0, at + jnp.mod(p, W), rings.kv.shape[1])   # out of range: dropped
-    return WindowRing(kv=rings.kv.at[b, slot].set(kv[:, 0], mode="drop"),
-                      scale=rings.scale.at[b, slot].set(scale[:, 0], mode="drop"))
+    return WindowRing(kv=rings.kv.at[b, slot].set(kv[:, 0]),
+                      scale=rings.scale.at[b, slot].set(scale[:, 0]))
 
 
 def write_ring(ring: WindowRing, kv: jax.Array, scale: jax.Array, p0: Int[Array, "B"],
