@@ -94,12 +94,14 @@ def pad_groups(group_sizes: Int[Array, "E"], rows: int, block_m: int):
     tile_start = tile_end - tiles
     row_start = jnp.cumsum(sizes) - sizes
     p = jnp.arange(rows, dtype=jnp.int32)
-    e = jnp.searchsorted(jnp.cumsum(sizes), p, side="right").astype(jnp.int32)
+    # compare_all: one fused comparison (the default's binary search is a loop of kernels)
+    e = jnp.searchsorted(jnp.cumsum(sizes), p, side="right",
+                         method="compare_all").astype(jnp.int32)
     used = e < E
     e = jnp.minimum(e, E - 1)
     dest = jnp.where(used, tile_start[e] * block_m + p - row_start[e], T * block_m)
     t = jnp.arange(T, dtype=jnp.int32)
-    te = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    te = jnp.searchsorted(tile_end, t, side="right", method="compare_all").astype(jnp.int32)
     return dest, jnp.where(te < E, te, -1)
 
 
