@@ -32,6 +32,9 @@ def _stack(rng, L, N, K):
     (16, 1, 1280, 64, 1, {}),                                 # 16 rows, K = 5 x 256
     (2, 1, 256, 256, 2, {"block_n": 128}),                    # 4 scale rows per program
     (1, 2, 512, 256, 2, {"block_n": 64, "block_k": 128, "k_splits": 2}),   # grouped, split K
+    (17, 1, 256, 64, 2, {}),                                  # a 32-row tile, 15 rows cut
+    (40, 2, 512, 128, 2, {"block_k": 128, "k_splits": 2}),    # 64-row tile, grouped, split K
+    (64, 1, 256, 128, 1, {"block_n": 64}),                    # a full 64-row tile
 ])
 def test_interpret_matches_reference(M, G, K, N, L, tune):
     """Every layer of the stack, read by index: equal to the reference up to summation order
@@ -121,14 +124,18 @@ def test_reference_is_the_dequantised_product():
 def test_shape_rules_and_refusals():
     assert gemv.kernel_fits((1, 1, 2048), (15, 32768, 2048))
     assert gemv.kernel_fits((16, 8, 4096), (15, 8192, 4096))
-    assert not gemv.kernel_fits((17, 1, 2048), (1, 512, 2048))        # too many rows
+    assert gemv.kernel_fits((64, 1, 2048), (1, 512, 2048))            # a 64-row tile
+    assert not gemv.kernel_fits((65, 1, 2048), (1, 512, 2048))        # too many rows
+    # impl="auto" and the model's linears: the measured 16-row tile only (AUTO_MAX_ROWS)
+    assert gemv.auto_fits((16, 1, 2048), (1, 512, 2048))
+    assert not gemv.auto_fits((17, 1, 2048), (1, 512, 2048))
     assert not gemv.kernel_fits((1, 1, 2048), (1, 500, 2048))         # N not a multiple of 32
     assert not gemv.kernel_fits((1, 1, 1 << 16), (1 << 6, 1 << 10, 1 << 16))   # >= 2**31 B
     for K in (32, 96, 160):             # a tile of one scale column would be needed
         assert not gemv.kernel_fits((1, 1, K), (1, 64, K)), K
     for K in (64, 128, 192):
         assert gemv.kernel_fits((1, 1, K), (1, 64, K)), K
-    x = jnp.zeros((17, 1, 64), jnp.bfloat16)
+    x = jnp.zeros((65, 1, 64), jnp.bfloat16)
     w, s = jnp.zeros((1, 64, 64), jnp.float8_e4m3fn), jnp.zeros((1, 2, 2), jnp.uint8)
     with pytest.raises(ValueError, match="does not take"):
         gemv.fp8_gemv(x, w, s, jnp.int32(0), impl="gpu_interpret")
@@ -151,28 +158,32 @@ def test_shape_rules_and_refusals():
     assert gemv_triton.config(8192, 4096) == (256, 1)         # 256 row blocks: no split
     assert gemv_triton.config(4096, 4096) == (512, 8)         # one 512 block per program
     assert gemv_triton.config(4096, 8192) == (256, 8)         # 512 would leave two per program
+    assert gemv_triton.config(2048, 8192, max_block_k=128) == (128, 16)   # a 64-row tile
     assert gemv_triton.default_block_n(32768, 32768) == 64
     assert gemv_triton.default_block_n(32768, 32768 // 8) == 64
     assert gemv_triton.default_block_n(8192, 1024) == 32      # too few programs at 64
     assert gemv_triton.default_block_n(16 * 3104, 3104) == 32  # a group's rows: 97 x 32
 
 
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 3, 16, 40, 64])
 def test_kernel_lowers_for_h200(M):
     """The grouped output projection's shapes at the mid config (8 groups, 15 layers), for a
-    row count that is not a power of two too (only the input's rows are stored)."""
+    row count that is not a power of two too: up to 16 rows only the input's rows are stored,
+    a 64-row tile is stored whole and cut to the input's rows after the call."""
     x = jnp.zeros((M, 8, 4096), jnp.bfloat16)
     w, s = jnp.zeros((15, 8192, 4096), jnp.float8_e4m3fn), jnp.zeros((15, 256, 128), jnp.uint8)
     ex = h200_export(lambda x, w, s, l: gemv_triton.fp8_gemv(x, w, s, l), x, w, s,
                       jnp.int32(3))
     text = ex.mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 1
-    assert "stablehlo.slice" not in text          # no 16-row tile cut down after the call
+    cut = M not in (1, 3, 16, 64)                 # a 64-row tile holding fewer rows
+    assert ("stablehlo.slice" in text) == cut
     assert [a.shape for a in ex.out_avals] == [(M, 8192)]
 
 
 @pytest.mark.parametrize("M, K, N0, N1, L, act_quant, tune", [
     (1, 256, 96, 64, 3, True, {}),                                # 3 + 2 row blocks
+    (48, 256, 64, 32, 2, True, {}),                               # a 64-row tile
     (3, 512, 64, 128, 2, False, {"block_k": 128, "k_splits": 2}),  # split K
     (16, 256, 128, 128, 2, True, {"block_n": 64}),                # 2 + 2 blocks of 64 rows
 ])
@@ -293,8 +304,9 @@ def test_decode_through_the_kernel_matches_the_stored_form():
         calls.append(("pair", a[1].shape, a[3].shape))
         return gemv.fp8_gemv_pair(*a, impl="gpu_interpret", **kw)
 
-    fake = types.SimpleNamespace(fp8_gemv=interpret_gemv, kernel_fits=gemv.kernel_fits,
-                                 fp8_gemv_pair=interpret_pair, pair_fits=gemv.pair_fits)
+    fake = types.SimpleNamespace(fp8_gemv=interpret_gemv, auto_fits=gemv.auto_fits,
+                                 fp8_gemv_pair=interpret_pair, pair_fits=gemv.pair_fits,
+                                 AUTO_MAX_ROWS=gemv.AUTO_MAX_ROWS)
     with mock.patch.object(lin, "on_gpu", lambda: True), mock.patch.object(lin, "gemv", fake):
         got, _ = jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
     assert calls, "the kernel was not used"

@@ -103,7 +103,7 @@ def _stack_gemv(x: jax.Array, p: dict, act_quant: bool = False,
     w, s = p["fp8"], p["scale"]
     w, s = w.reshape(-1, *w.shape[-2:]), s.reshape(-1, *s.shape[-2:])
     x3 = x.reshape(-1, *x.shape[-2:])
-    if not gemv.kernel_fits(x3.shape, w.shape):
+    if not gemv.auto_fits(x3.shape, w.shape):
         return None
     y = gemv.fp8_gemv(x3, w, s, p["at"], act_quant=act_quant, out_dtype=out_dtype,
                       impl="gpu")
@@ -165,7 +165,7 @@ def linear_pair(x: Float[Array, "... I"], p0: dict, p1: dict
         w0, s0 = w0.reshape(-1, *w0.shape[-2:]), s0.reshape(-1, *s0.shape[-2:])
         w1, s1 = w1.reshape(-1, *w1.shape[-2:]), s1.reshape(-1, *s1.shape[-2:])
         x3 = x.reshape(-1, 1, x.shape[-1])
-        if gemv.pair_fits(x3.shape, w0.shape, w1.shape):
+        if gemv.pair_fits(x3.shape, w0.shape, w1.shape) and x3.shape[0] <= gemv.AUTO_MAX_ROWS:
             y0, y1 = gemv.fp8_gemv_pair(x3, w0, s0, w1, s1, p0["at"],
                                         act_quant=is_quantized(p0), out_dtype=BF16,
                                         impl="gpu")

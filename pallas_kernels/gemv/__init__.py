@@ -13,7 +13,8 @@ doubles or triples its traffic. The kernel reads the stack where it lies.
 
 Implementations (``impl``, :mod:`pallas_kernels.impls`): ``"xla"`` (:mod:`.reference`),
 ``"gpu"`` (:mod:`.triton`), ``"gpu_interpret"``, ``"auto"`` (``"gpu"`` on an NVIDIA GPU where
-the shapes fit: at most 16 rows, ``N`` a multiple of 32 and of ``32 * G``, ``K`` of 64
+the shapes fit: at most :data:`AUTO_MAX_ROWS` rows (the kernel takes up to 64), ``N`` a
+multiple of 32 and of ``32 * G``, ``K`` of 64
 (:data:`.triton.MIN_BLOCK_K`), the stack under 2**31 bytes; ``"xla"`` otherwise).
 """
 
@@ -26,9 +27,22 @@ from jaxtyping import Array, Float, Int, UInt8
 from pallas_kernels import impls
 from pallas_kernels.gemv import reference, triton
 
-__all__ = ["fp8_gemv", "fp8_gemv_pair", "kernel_fits", "pair_fits", "MAX_ROWS"]
+__all__ = ["fp8_gemv", "fp8_gemv_pair", "kernel_fits", "pair_fits", "MAX_ROWS", "AUTO_MAX_ROWS"]
 
-MAX_ROWS = triton.ROWS
+#: The most input rows the GPU kernel takes (tiles of 16, 32 or 64 rows).
+MAX_ROWS = triton.MAX_TILE_ROWS
+#: The most rows for which ``impl="auto"`` (and the model's linears,
+#: :func:`dsv41_jax.layers.linear.linear`) run the kernel on a GPU: 16, the tile measured on
+#: the H200; the 32- and 64-row tiles (a decode step of batch 17-64, verify at batch 8) are
+#: built and checked in interpret mode but not yet timed, so larger calls keep XLA's
+#: dequantise-and-GEMM until they are.
+AUTO_MAX_ROWS = triton.ROWS
+
+
+def auto_fits(x_shape: tuple, w_shape: tuple) -> bool:
+    """Whether ``impl="auto"`` picks the GPU kernel for these shapes on a GPU:
+    :func:`kernel_fits` and at most :data:`AUTO_MAX_ROWS` rows."""
+    return x_shape[0] <= AUTO_MAX_ROWS and kernel_fits(x_shape, w_shape)
 
 
 def kernel_fits(x_shape: tuple, w_shape: tuple) -> bool:
@@ -66,7 +80,7 @@ def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go G
     float32 / bfloat16."""
     impl = impls.check_family(impl)
     if impl == "auto":
-        impl = "gpu" if impls.on_gpu() and kernel_fits(x.shape, w.shape) else "xla"
+        impl = "gpu" if impls.on_gpu() and auto_fits(x.shape, w.shape) else "xla"
     _check_out_dtype(out_dtype)
     if impl in ("xla", "tpu", "tpu_interpret"):
         return reference.fp8_gemv(x, w, scale, layer, act_quant).astype(out_dtype)
@@ -89,7 +103,8 @@ def fp8_gemv_pair(x: Float[Array, "M 1 K"], w0: jax.Array, scale0: UInt8[Array, 
     refuses) and an ``out_dtype`` other than float32 / bfloat16."""
     impl = impls.check_family(impl)
     if impl == "auto":
-        impl = "gpu" if impls.on_gpu() and pair_fits(x.shape, w0.shape, w1.shape) else "xla"
+        impl = ("gpu" if impls.on_gpu() and pair_fits(x.shape, w0.shape, w1.shape)
+                and x.shape[0] <= AUTO_MAX_ROWS else "xla")
     _check_out_dtype(out_dtype)
     if impl in ("xla", "tpu", "tpu_interpret"):
         return (reference.fp8_gemv(x, w0, scale0, layer, act_quant).astype(out_dtype),

@@ -10,7 +10,8 @@ parts of the input dimension, in steps of ``block_k`` columns:
 * scale the input instead of the weight: the ``block_k / 32`` scales of this row block
   multiply the input's columns (powers of two: exact in bf16, the input being FP8 QDQ values
   or bf16), so the large tile is touched once;
-* accumulate ``x [16, block_k] @ W^T`` in fp32 on the tensor cores (rows past the input's
+* accumulate ``x [tile, block_k] @ W^T`` in fp32 on the tensor cores (``tile`` = 16, 32 or
+  64 input rows, :func:`tile_rows`; rows past the input's
   masked to zero in the load: nothing is padded before the call).
 
 With ``act_quant`` the input tile is FP8-quantised and dequantised in registers first, per 32
@@ -20,8 +21,9 @@ round-to-nearest satfinite e4m3 convert, :data:`QDQ_PTX`, and back): a quantised
 activation quantisation then launches no kernels of its own. Each program quantises the
 tiles it reads; the input is a few rows, so that work is small beside the weight's bytes.
 
-Partial sums ``[k_splits, M, N]`` (fp32; only the input's ``M`` rows of the 16-row tile are
-written, so a batch-1 call writes 1/16 of what the tile holds) are added by the wrapper. The
+Partial sums ``[k_splits, M, N]`` (fp32; up to 16 rows only the input's ``M`` rows of the
+16-row tile are written, so a batch-1 call writes 1/16 of what the tile holds; 32- and 64-row
+tiles are written whole and cut to ``M`` rows) are added by the wrapper. The
 input's group of a row block (``G > 1``, the grouped output projection) is
 ``row // (N / G)``.
 """
@@ -41,7 +43,9 @@ from pallas_kernels.fp4.reference import FP8_MAX, _pow2_ceil_exponent
 from pallas_kernels.sparse_attention.triton import repeat_columns
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
-ROWS = 16          # input rows per call (tensor-core tile height)
+ROWS = 16          # the smallest tile of input rows (tensor-core tile height)
+#: The most input rows one call takes: tiles of 16, 32 or 64 rows (:func:`tile_rows`).
+MAX_TILE_ROWS = 64
 BLOCK_N = 32       # output rows per program: one row of 32 x 32 scale tiles
 TARGET_PROGRAMS = 1024
 #: Row blocks from which K is not split: the partial sums then need no reduction kernel (on
@@ -80,7 +84,16 @@ def _act_qdq(x: jax.Array, interpret: bool) -> jax.Array:
     return (q * exp2_int(e)[..., None]).reshape(R, C)
 
 
-def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, act_quant,
+def tile_rows(M: int) -> int:
+    """The input-row tile of a call of ``M`` rows: 16, 32 or 64, the smallest that holds
+    them."""
+    t = ROWS
+    while t < M:
+        t *= 2
+    return t
+
+
+def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, tile, act_quant,
             interpret, first_blocks=(0,)):
     """One program: ``block_n`` output rows over one K split. With several weights (``refs``:
     a weight and its scales per weight, then the output), ``first_blocks`` holds each one's
@@ -92,28 +105,31 @@ def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, ac
     subs = block_n // BLOCK_N           # 32-row blocks, each with its own row of scales
     if len(weights) == 2:             # one weight and its scales
         accs = _accumulate(layer, x_ref, *weights, nb, ks, g, block_k=block_k, n_k=n_k,
-                           subs=subs, rows=rows, act_quant=act_quant, interpret=interpret)
+                           subs=subs, rows=rows, tile=tile, act_quant=act_quant,
+                           interpret=interpret)
     else:   # two weights (first_blocks[1]: the second's first row block); uniform per program
         w0, s0, w1, s1 = weights
         accs = jax.lax.cond(
             nb < first_blocks[1],
             lambda: _accumulate(layer, x_ref, w0, s0, nb, ks, g, block_k=block_k, n_k=n_k,
-                                subs=subs, rows=rows, act_quant=act_quant, interpret=interpret),
+                                subs=subs, rows=rows, tile=tile, act_quant=act_quant,
+                                interpret=interpret),
             lambda: _accumulate(layer, x_ref, w1, s1, nb - first_blocks[1], ks, g,
-                                block_k=block_k, n_k=n_k, subs=subs, rows=rows,
+                                block_k=block_k, n_k=n_k, subs=subs, rows=rows, tile=tile,
                                 act_quant=act_quant, interpret=interpret))
-    _store(o_ref, accs, rows)
+    _store(o_ref, accs, o_ref.shape[0], tile)
 
 
-def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, rows, act_quant,
-                interpret):
-    """The fp32 accumulators ``subs x [ROWS, BLOCK_N]`` of row block ``nb`` of one weight."""
+def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, rows, tile,
+                act_quant, interpret):
+    """The fp32 accumulators ``subs x [tile, BLOCK_N]`` of row block ``nb`` of one weight
+    (``rows`` of the ``tile`` rows hold input)."""
     block_n = subs * BLOCK_N
 
     def step(i, accs):
         k0 = (ks * n_k + i) * block_k
-        if rows < ROWS:     # the block's rows past the input's are masked (read as zero)
-            mask = jnp.broadcast_to((jnp.arange(ROWS) < rows)[:, None], (ROWS, block_k))
+        if rows < tile:     # the block's rows past the input's are masked (read as zero)
+            mask = jnp.broadcast_to((jnp.arange(tile) < rows)[:, None], (tile, block_k))
             x = pltr.load(x_ref.at[:, g, pl.ds(k0, block_k)], mask=mask, other=0.0)
         else:
             x = x_ref[:, g, pl.ds(k0, block_k)]
@@ -132,19 +148,19 @@ def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, ro
                                                      preferred_element_type=F32))
         return tuple(out)
 
-    return jax.lax.fori_loop(0, n_k, step, (jnp.zeros((ROWS, BLOCK_N), F32),) * subs)
+    return jax.lax.fori_loop(0, n_k, step, (jnp.zeros((tile, BLOCK_N), F32),) * subs)
 
 
-def _store(o_ref, accs, rows):
-    """The accumulators into the output block (only the input's rows)."""
+def _store(o_ref, accs, rows, tile):
+    """The accumulators (``tile`` rows) into the output block of ``rows`` rows."""
     subs = len(accs)
-    if rows == ROWS:
+    if rows == tile:
         for j in range(subs):
             o_ref[:, pl.ds(j * BLOCK_N, BLOCK_N)] = accs[j].astype(o_ref.dtype)
         return
     # only the input's rows are written (a decode step of batch 1 writes 1 of the 16): each
     # picked out of the tile by a sum whose other terms are zeros (exact)
-    pick = jnp.arange(ROWS)[:, None]
+    pick = jnp.arange(tile)[:, None]
     for j in range(subs):
         for m in range(rows):
             o_ref[m, pl.ds(j * BLOCK_N, BLOCK_N)] = jnp.sum(
@@ -159,14 +175,16 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = None,
-           block_n: int = BLOCK_N):
+           block_n: int = BLOCK_N, max_block_k: int = 512):
     """``(block_k, k_splits)``: no split of K from :data:`UNSPLIT_ROW_BLOCKS` blocks of
     ``block_n`` output rows, else enough splits for about :data:`TARGET_PROGRAMS` programs (a
     power of two dividing K / block_k), in blocks of 512 columns where that leaves each
     program one block, else of the largest power of two <= 256 dividing K (at least
     :data:`MIN_BLOCK_K`). On an H200 (docs/benchmarks.md, "FP8 GEMV tunings"),
     ``[8192, 4096]`` ran in 19.4 us with 256 x 4 splits against 26.4 us with 512 x 4 (two
-    blocks per program), while ``[2048, 8192]`` ran fastest with 512 x 16 (one each). Raises
+    blocks per program), while ``[2048, 8192]`` ran fastest with 512 x 16 (one each).
+    ``max_block_k`` caps the default ``block_k`` (the 32- and 64-row tiles keep the input
+    tile's registers to those of a 16-row tile of 512 columns). Raises
     ``ValueError`` for a ``block_k`` or ``k_splits`` that does not fit ``K``, or a ``block_n``
     that is not a power of two multiple of 32 dividing ``N``."""
     if block_n < BLOCK_N or block_n & (block_n - 1) or N % block_n:
@@ -175,7 +193,7 @@ def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = No
     row_blocks = N // block_n
     target = 1 if row_blocks >= UNSPLIT_ROW_BLOCKS else max(1, TARGET_PROGRAMS // row_blocks)
     if block_k is None:
-        block_k = _pow2_divisor(K, 512)
+        block_k = _pow2_divisor(K, min(512, max_block_k))
         if block_k == 512 and _pow2_divisor(K // 512, target) != K // 512:
             block_k = _pow2_divisor(K, 256)
     if block_k < MIN_BLOCK_K or K % block_k or block_k & (block_k - 1):
@@ -203,7 +221,7 @@ def default_block_n(N: int, group_rows: int) -> int:
                                              "out_dtype"))
 def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None,
              block_n=None, num_warps=4, num_stages=3, interpret=False, out_dtype="float32"):
-    """See :func:`pallas_kernels.gemv.fp8_gemv`; ``x`` [M <= 16, G, K] (bf16, or with
+    """See :func:`pallas_kernels.gemv.fp8_gemv`; ``x`` [M <= 64, G, K] (bf16, or with
     ``act_quant`` any float dtype, quantised from its own values). ``block_n``: output rows per
     program (32-row blocks sharing the input tile and its act-quant; default
     :func:`default_block_n`); it must divide ``N / G`` when ``G > 1``."""
@@ -245,27 +263,36 @@ def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps
     """The kernel over ``weights`` (``((w, scale), ...)``, their rows one after another in
     the output); the outputs per weight, ``[M, N_i]`` of ``out_dtype`` (the fp32 sums
     rounded once: in the kernel's store without a K split, after the partial sums' reduction
-    with one)."""
+    with one). Up to 16 rows the kernel writes only the input's rows of its 16-row tile;
+    above, whole tiles of 32 or 64 rows (:func:`tile_rows`), the rows past ``M`` cut off
+    after the call."""
     M, G, K = x.shape
+    if M > MAX_TILE_ROWS:
+        raise ValueError(f"the GEMV takes at most {MAX_TILE_ROWS} rows, got {M}")
+    tile = tile_rows(M)
+    out_rows = M if tile == ROWS else tile
     sizes = [w.shape[1] for w, _ in weights]
     N = sum(sizes)
-    block_k, k_splits = config(N, K, block_k, k_splits, block_n)
+    block_k, k_splits = config(N, K, block_k, k_splits, block_n,
+                               max_block_k=512 * ROWS // tile)
     n_k = K // block_k // k_splits
     x = x if act_quant else x.astype(BF16)
     first_blocks = tuple(int(b) for b in np.cumsum([0] + sizes[:-1]) // block_n)
     kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, n_k=n_k,
-                               group_rows=N // G, rows=M, act_quant=act_quant,
+                               group_rows=N // G, rows=M, tile=tile, act_quant=act_quant,
                                interpret=interpret, first_blocks=first_blocks)
     part = pl.pallas_call(
         kernel, grid=(N // block_n, k_splits),
-        in_specs=[pl.BlockSpec(), pl.BlockSpec((ROWS, G, K), lambda nb, ks: (0, 0, 0))]
+        in_specs=[pl.BlockSpec(), pl.BlockSpec((tile, G, K), lambda nb, ks: (0, 0, 0))]
         + [pl.BlockSpec()] * (2 * len(weights)),
-        out_specs=pl.BlockSpec((None, M, block_n), lambda nb, ks: (ks, 0, nb)),
-        out_shape=jax.ShapeDtypeStruct((k_splits, M, N), F32 if k_splits > 1 else out_dtype),
+        out_specs=pl.BlockSpec((None, out_rows, block_n), lambda nb, ks: (ks, 0, nb)),
+        out_shape=jax.ShapeDtypeStruct((k_splits, out_rows, N),
+                                       F32 if k_splits > 1 else out_dtype),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_stacked_gemv",
     )(jnp.reshape(layer, (1,)).astype(I32), x, *[a for pair in weights for a in pair])
     y = part[0] if k_splits == 1 else jnp.sum(part, axis=0).astype(out_dtype)
+    y = y[:M]
     if len(weights) == 1:
         return [y]
     return [y[:, a:a + n] for a, n in zip(np.cumsum([0] + sizes[:-1]), sizes)]
