@@ -53,13 +53,15 @@ def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
     def record(x, w, scale, layer, *, act_quant=False, impl="auto", **kw):
         key = (tuple(x.shape), tuple(w.shape), bool(act_quant), None)
         seen[key] = seen.get(key, 0) + 1
-        return real(x, w, scale, layer, act_quant=act_quant, impl="xla")
+        return real(x, w, scale, layer, act_quant=act_quant, impl="xla",
+                    out_dtype=kw.get("out_dtype", jnp.float32))
 
     def record_pair(x, w0, s0, w1, s1, layer, *, act_quant=False, impl="auto", **kw):
         L, N0, K = w0.shape
         key = (tuple(x.shape), (L, N0 + w1.shape[1], K), bool(act_quant), (N0, w1.shape[1]))
         seen[key] = seen.get(key, 0) + 1
-        return real_pair(x, w0, s0, w1, s1, layer, act_quant=act_quant, impl="xla")
+        return real_pair(x, w0, s0, w1, s1, layer, act_quant=act_quant, impl="xla",
+                         out_dtype=kw.get("out_dtype", jnp.float32))
 
     state = st.init_state(cfg, batch, 64)
     step = model.decode_fn(cfg, attn_impl="xla")
