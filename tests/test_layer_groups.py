@@ -75,15 +75,14 @@ def test_prepare_params_layer_roundtrip(small):
         model.layer_params(prep, cfg, 8)
 
 
-@pytest.mark.parametrize("lengths", [(21, 6), (13,)])
+@pytest.mark.parametrize("lengths", [(21, 9), (14,)])
 def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
     """A decode step on the attention kernels (interpret mode) writes each layer's new window
     row into the scanned group's rings in place and lists the ring slots
     (``attention.RING_IN_PLACE``): logits and every state array bitwise equal to the copy
     with the row appended, over several steps on groups whose units and runs both repeat,
-    with a batch row that starts later (its window not yet full); the rings also bitwise
-    equal to the XLA path's (batch 2). Batch 1 writes the row as a slice update, batch 2 as
-    a scatter."""
+    with a batch row that starts later (its window not yet full, then wrapping). Batch 1
+    writes the row as a slice update, batch 2 as a scatter."""
     from configs_util import scanned_tiny_config
     from dsv41_jax import state as st
     from dsv41_jax.layers import attention
@@ -93,6 +92,7 @@ def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
     params = model.prepare_params(random_params_device(cfg, 3), cfg)
     rng = np.random.default_rng(5)
     B = len(lengths)
+    steps = cfg.window_size + 1 - min(lengths) + 2      # every row's ring wraps
     tokens = rng.integers(0, cfg.vocab_size, (B, 21)).astype(np.int32)
     lengths = np.array(lengths)
 
@@ -102,7 +102,7 @@ def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
         state = st.init_state(cfg, B, 64)
         out, state = model.prefill(params, cfg, tokens, state, lengths, attn_impl=impl)
         logits = [np.asarray(out.logits)]
-        for _ in range(cfg.window_size + 3):          # past a full ring
+        for _ in range(steps):
             lg, state = model.decode_step(params, cfg, state, logits[-1].argmax(-1),
                                           attn_impl=impl)
             logits.append(np.asarray(lg))
@@ -113,11 +113,6 @@ def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
     for a, b in zip(lg_in, lg_copy):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(s_in), jax.tree.leaves(s_copy)):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
-    if B == 1:
-        return
-    _, s_xla = run("xla", True)
-    for a, b in zip(jax.tree.leaves(s_in.windows), jax.tree.leaves(s_xla.windows)):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
