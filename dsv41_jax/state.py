@@ -140,8 +140,8 @@ class LayerState:
     stale_index: Optional[Any] = None
     stale_index_scale: Optional[Any] = None
     # int32 scalar: where the layer's ring starts when ``window`` holds the rings of several
-    # layers side by side ([B, n*W, ...], a scanned layer group's); None: ``window`` is the
-    # layer's own ring
+    # layers side by side (a scanned layer group's, [B, n*W + 1, ...] with a spare last row:
+    # write_ring_rows_at); None: ``window`` is the layer's own ring
     window_at: Optional[Any] = None
 
     def replace(self, **kw) -> "LayerState":

@@ -103,7 +103,8 @@ def abstract_params(cfg, linears: str = "stored", experts: str = "kernel"):
     (``wo_a`` exactly FP8 blocks, the head exact in bf16) taken to pass, as they do for the
     stored checkpoint and the random weights."""
     def fp8_blocks(w):
-        if w is None or w.dtype != jnp.bfloat16 or w.ndim != 2 or w.shape[0] % 32 or w.shape[1] % 32:
+        if (w is None or w.dtype != jnp.bfloat16 or w.ndim != 2 or w.shape[0] % 32
+                or w.shape[1] % 32):
             return None
         N, K = w.shape
         return {"fp8": w.astype(jnp.float8_e4m3fn),
@@ -175,10 +176,11 @@ def static_launches(text: str) -> dict:
     """Kernel launches per call of a compiled GPU program's text (``compiled.as_text()``).
 
     Returns ``{"launches": int, "by_kind": {kind: n}, "by_group": {group: n}, "by_source":
-    {source: n}, "by_instruction": {name: n}, "unknown_trip_counts": int}``: a fusion, custom call, copy or any other
-    instruction outside :data:`NO_LAUNCH` is one launch; a ``while`` counts its body and
-    condition times its ``known_trip_count`` (once where XLA does not know it:
-    ``unknown_trip_counts``); a ``conditional`` its largest branch; a ``call`` its callee.
+    {source: n}, "by_instruction": {name: n}, "unknown_trip_counts": int}``: a fusion, custom
+    call, copy or any other instruction outside :data:`NO_LAUNCH` is one launch; a ``while``
+    counts its body and condition times its ``known_trip_count`` (once where XLA does not
+    know it: ``unknown_trip_counts``); a ``conditional`` its largest branch; a ``call`` its
+    callee.
     Kinds: ``fusion:<kind>`` (``kLoop``, ``kInput``, ``__triton`` GEMMs...), ``cc:<target>``,
     else the opcode. Raises ``ValueError`` for text without an ENTRY computation."""
     comps, entry, cur = {}, None, None

@@ -27,7 +27,8 @@ from jaxtyping import Array, Float, Int, UInt8
 from pallas_kernels import impls
 from pallas_kernels.gemv import reference, triton
 
-__all__ = ["fp8_gemv", "fp8_gemv_pair", "kernel_fits", "pair_fits", "MAX_ROWS", "AUTO_MAX_ROWS"]
+__all__ = ["fp8_gemv", "fp8_gemv_pair", "kernel_fits", "pair_fits", "auto_fits", "MAX_ROWS",
+           "AUTO_MAX_ROWS"]
 
 #: The most input rows the GPU kernel takes (tiles of 16, 32 or 64 rows).
 MAX_ROWS = triton.MAX_TILE_ROWS
