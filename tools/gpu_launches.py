@@ -265,7 +265,8 @@ def build_parser():
     ap.add_argument("--context", type=positive_int, default=4096,
                     help="tokens of context before a decode or verify step (default 4096)")
     ap.add_argument("--moe-impl", default="auto", help="routed MoE implementation (default auto)")
-    ap.add_argument("--top", type=positive_int, default=25, help="source lines printed (default 25)")
+    ap.add_argument("--top", type=positive_int, default=25,
+                    help="source lines printed (default 25)")
     ap.add_argument("--hlo-dir", default=None, help="also write each compiled program's text here")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     return ap
