@@ -14,7 +14,7 @@ split by op group (``tools/profile_prefill.py``'s classifier) and by source line
 What it does not see: kernels the runtime adds (memsets, a cuBLAS GEMM's split-K pass) and
 XLA's autotuning (none runs deviceless, so a GEMM may pick another kernel than on the GPU).
 Checked against an H200 profile of the same code (`mid`, decode B=1 after 4K): 2,866 launches
-traced, see docs/benchmarks.md "Launch counts without a GPU".
+traced, see docs/benchmarks.md "Kernel launches counted without a GPU".
 
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python tools/gpu_launches.py --config mid \\
         --targets decode,prefill:ced:4096 --out launches.json
@@ -257,8 +257,8 @@ def static_launches(text: str) -> dict:
 
 def build_parser():
     ap = Parser(prog="gpu_launches", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="mid", help="mid | release-fit | release-384 | tiny "
-                    "(default mid)")
+    ap.add_argument("--config", default="mid", help="mid | release-fit | release-384 | "
+                    "release | tiny (default mid)")
     ap.add_argument("--targets", default="decode",
                     help="comma-separated: decode, prefill:ced|exact:N, verify:K (default decode)")
     ap.add_argument("--batch", type=positive_int, default=1, help="rows (default 1)")
@@ -279,7 +279,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"gpu_launches: --targets: {e}", file=sys.stderr)
         return 2
-    cfg, _ = e2e_config(args.config)
+    try:
+        cfg, _ = e2e_config(args.config)
+    except ValueError as e:
+        print(f"gpu_launches: --config: {e}", file=sys.stderr)
+        return 2
     device = h200_device()
     res = {"config": args.config, "batch": args.batch, "context": args.context,
            "device": "H200 (deviceless compile)", "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -303,6 +307,7 @@ def main(argv=None) -> int:
               f"XLA for an H200 {row['compile_s']:.1f} s on this machine)")
         print("  by group: " + ", ".join(f"{g} {n}" for g, n in row["by_group"].items()))
         print("  by kind:  " + ", ".join(f"{k} {n}" for k, n in row["by_kind"].items()))
+        print(f"  launches by source line, the {args.top} largest (? = no source):")
         for src, n in list(row["by_source"].items())[:args.top]:
             print(f"  {n:6d}  {src}")
     if args.out:
