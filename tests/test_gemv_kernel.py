@@ -126,9 +126,10 @@ def test_shape_rules_and_refusals():
     assert gemv.kernel_fits((16, 8, 4096), (15, 8192, 4096))
     assert gemv.kernel_fits((64, 1, 2048), (1, 512, 2048))            # a 64-row tile
     assert not gemv.kernel_fits((65, 1, 2048), (1, 512, 2048))        # too many rows
-    # impl="auto" and the model's linears: the measured 16-row tile only (AUTO_MAX_ROWS)
-    assert gemv.auto_fits((16, 1, 2048), (1, 512, 2048))
-    assert not gemv.auto_fits((17, 1, 2048), (1, 512, 2048))
+    # impl="auto" and the model's linears: every tile the kernel takes (AUTO_MAX_ROWS)
+    assert gemv.AUTO_MAX_ROWS == gemv.MAX_ROWS == 64
+    assert gemv.auto_fits((64, 1, 2048), (1, 512, 2048))
+    assert not gemv.auto_fits((65, 1, 2048), (1, 512, 2048))
     assert not gemv.kernel_fits((1, 1, 2048), (1, 500, 2048))         # N not a multiple of 32
     assert not gemv.kernel_fits((1, 1, 1 << 16), (1 << 6, 1 << 10, 1 << 16))   # >= 2**31 B
     for K in (32, 96, 160):             # a tile of one scale column would be needed

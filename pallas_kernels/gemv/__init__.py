@@ -33,11 +33,11 @@ __all__ = ["fp8_gemv", "fp8_gemv_pair", "kernel_fits", "pair_fits", "auto_fits",
 #: The most input rows the GPU kernel takes (tiles of 16, 32 or 64 rows).
 MAX_ROWS = triton.MAX_TILE_ROWS
 #: The most rows for which ``impl="auto"`` (and the model's linears,
-#: :func:`dsv41_jax.layers.linear.linear`) run the kernel on a GPU: 16, the tile measured on
-#: the H200; the 32- and 64-row tiles (a decode step of batch 17-64, verify at batch 8) are
-#: built and checked in interpret mode but not yet timed, so larger calls keep XLA's
-#: dequantise-and-GEMM until they are.
-AUTO_MAX_ROWS = triton.ROWS
+#: :func:`dsv41_jax.layers.linear.linear`) run the kernel on a GPU: all it takes. At 64 rows
+#: (a ``mid`` decode step of batch 64 on an H100) the 64-row tiles ran the step in 17.2 ms
+#: queued against 21.8 ms with XLA's dequantise-and-GEMM above 16 rows (docs/benchmarks.md,
+#: "End-to-end").
+AUTO_MAX_ROWS = triton.MAX_TILE_ROWS
 
 
 def auto_fits(x_shape: tuple, w_shape: tuple) -> bool:

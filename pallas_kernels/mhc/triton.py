@@ -8,11 +8,12 @@ Two launches, no XLA op between them or around them (every reshape is a bitcast)
   row: the ``M = (2 + hc) * hc`` mixes dot products with ``fn``'s ``hc`` stream slices, the sum
   of ``f32(X)^2`` and the sum of ``f32(h)^2`` -> ``partials`` fp32 ``[D / chunk, M + 2, T]``.
 * :func:`_finish_kernel`, grid ``(T / rows, D / norm_chunk)``: every program sums the
-  ``partials`` over the chunks (in increasing chunk order) for its rows and writes its
-  ``[rows, norm_chunk]`` slice of ``input = bf16(w * (h * rsqrt(sum_h2 / D + eps)))``; the
-  programs of the first column also run the whole Sinkhorn split of their rows (each lane one
-  row's matrix, as :mod:`pallas_kernels.sinkhorn.triton`, whose IEEE division and pairs they
-  share) and write ``pre``, ``post``, ``comb``.
+  ``partials`` over the chunks for its rows (one load per power-of-two piece of the chunks,
+  summed as a tree, the pieces in increasing order) and writes its ``[rows, norm_chunk]`` slice
+  of ``input = bf16(w * (h * rsqrt(sum_h2 / D + eps)))``; the programs of the first column also
+  run the whole Sinkhorn split of their rows (each lane one row's matrix, as
+  :mod:`pallas_kernels.sinkhorn.triton`, whose IEEE division and pairs they share) and write
+  ``pre``, ``post``, ``comb``.
 
 Rows past ``T`` of a ragged last row block are masked in the kernels (loads read 0 or 1, stores
 skip them). ``D`` must be a multiple of :data:`MIN_CHUNK`; chunks are powers of two dividing
@@ -34,23 +35,25 @@ from pallas_kernels.sinkhorn.triton import divide, run_pairs
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 MIN_CHUNK = 64         # a tile's width along D (narrower tiles crashed another kernel's build)
-MAX_BLOCK_ROWS = 64    # rows per program
+MIN_BLOCK_ROWS = 16    # rows per program, at least (a power of two)
+MAX_BLOCK_ROWS = 64    # rows per program, at most
 TILE = 2048            # elements of one stream's [rows, chunk] tile in the partials kernel
 NORM_TILE = 4096       # elements of the [rows, norm_chunk] tile in the finishing kernel
 
 
 def block_rows(T: int) -> int:
-    """Rows per program: the smallest power of two >= ``T``, at least 16, at most
-    :data:`MAX_BLOCK_ROWS`."""
-    b = 16
+    """Rows per program: the smallest power of two >= ``T``, at least
+    :data:`MIN_BLOCK_ROWS`, at most :data:`MAX_BLOCK_ROWS`."""
+    b = MIN_BLOCK_ROWS
     while b < min(T, MAX_BLOCK_ROWS):
         b *= 2
     return b
 
 
-def chunk(D: int, rows: int, tile: int = TILE) -> int:
-    """The largest power of two dividing ``D`` with ``rows * chunk <= tile`` (at least
-    :data:`MIN_CHUNK`)."""
+def chunk(D: int, rows: int, tile: int | None = None) -> int:
+    """The largest power of two dividing ``D`` with ``rows * chunk <= tile`` (default
+    :data:`TILE`; at least :data:`MIN_CHUNK`)."""
+    tile = TILE if tile is None else tile
     c = MIN_CHUNK
     while D % (2 * c) == 0 and rows * 2 * c <= tile:
         c *= 2
@@ -116,12 +119,22 @@ def _finish_kernel(p_ref, h_ref, w_ref, scale_ref, base_ref, in_out, pre_out, po
     dc = h_ref.shape[1]
     mask = jnp.broadcast_to(rmask[:, None], (bt, dc))
 
+    # the chunks in power-of-two pieces (a Triton tile's size): 40 chunks load as 32 + 8
+    pieces, start = [], 0
+    for bit in reversed(range(n_chunks.bit_length())):
+        if n_chunks >> bit & 1:
+            pieces.append((start, 1 << bit))
+            start += 1 << bit
+
     def total(k):                                      # partial column k summed over chunks
-        first = pltr.load(p_ref.at[np.int32(0), np.int32(k), :], mask=rmask, other=0.0)
-        return jax.lax.fori_loop(
-            1, n_chunks,
-            lambda i, a: a + pltr.load(p_ref.at[i, np.int32(k), :], mask=rmask, other=0.0),
-            first)
+        # one [chunks, rows] load per piece and a sum over it: no chain of dependent loads
+        out = None
+        for s0, n in pieces:
+            tile = pltr.load(p_ref.at[pl.ds(s0, n), np.int32(k), :],
+                             mask=jnp.broadcast_to(rmask[None, :], (n, bt)), other=0.0)
+            part = jnp.sum(tile, axis=0)
+            out = part if out is None else out + part
+        return out
 
     def mean(s, n):                                    # s / n, IEEE
         return divide([s], jnp.full_like(s, float(n)), interpret)[0]

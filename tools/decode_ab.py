@@ -1,0 +1,176 @@
+"""A/B of the decode step's module switches, every variant in one process on one state shape:
+the switches that choose a kernel or a program layout at trace time (docs/benchmarks.md,
+"End-to-end", the table of module switches).
+
+    python tools/decode_ab.py --variants base,loop,mhc --out ab_b1.json              # GPU
+    python tools/decode_ab.py --variants base,gemv16 --batch 64 --out ab_b64.json      # GPU
+    python tools/decode_ab.py --variants "base,pairs=dsv41_jax.layers.moe.GATHERED_ON_KERNEL:True"
+    python tools/decode_ab.py --tiny --variants base,loop --context 200               # CPU smoke
+
+Each variant sets its switches (module attributes read when a step is traced), clears JAX's
+caches so the step is traced and compiled again, and runs the decode row of
+``dsv41-bench-e2e`` (:func:`benchmarks.e2e.decode_row`) on a synthetic state of ``--batch``
+rows at ``--context`` positions (:func:`benchmarks.e2e.synthetic_state`: no prefill to
+compile): ``--steps`` steps synced one by one (ms per step = the median), as many queued back
+to back, and a profiler trace of 3 more (device time, kernel launches, the longest kernels;
+none on a CPU). Then the switches go back. The first variant is the baseline of the printed
+ratios; ``--out`` gets every record, rewritten after each variant.
+
+A variant is a name of :data:`VARIANTS` or ``NAME=module.ATTR:VALUE[+module.ATTR:VALUE...]``
+(``VALUE`` a Python literal). Each variant compiles the whole step (20-90 s for ``mid`` on a
+GPU); order them so that the ones that matter come first under a time limit.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import sys
+
+import dsv41_jax  # noqa: F401  (first: the XLA numerics flag)
+import jax
+
+from benchmarks import e2e
+from benchmarks.timing import write_json
+from dsv41_jax import model
+from dsv41_jax.cli.args import Parser, positive_int
+from dsv41_jax.random_weights import random_params_device
+
+#: Named variants: ``{(module, attribute): value}`` set for the variant's run.
+VARIANTS: dict[str, dict[tuple[str, str], object]] = {
+    "base": {},
+    "loop": {("dsv41_jax.model", "UNROLL_DECODE_RUNS"): "never"},
+    "copyring": {("dsv41_jax.layers.attention", "RING_IN_PLACE"): False},
+    "nopair": {("dsv41_jax.layers.linear", "PAIRED_GEMV"): False},
+    "gemv16": {("pallas_kernels.gemv", "AUTO_MAX_ROWS"): 16},
+    "mhc": {("pallas_kernels.mhc", "MAX_ROWS"): 64},
+    "mhc_r1": {("pallas_kernels.mhc", "MAX_ROWS"): 64,
+               ("pallas_kernels.mhc.triton", "MIN_BLOCK_ROWS"): 1,
+               ("pallas_kernels.mhc.triton", "TILE"): 64},
+    "pairs_kernel": {("dsv41_jax.layers.moe", "GATHERED_ON_KERNEL"): True},
+}
+
+KEPT = ("ms_per_step", "ms_per_step_min", "ms_per_step_queued", "device_ms_per_step",
+        "launches_per_step", "first_step_s", "logits_finite", "kernels")
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``name`` of :data:`VARIANTS`, or ``NAME=module.ATTR:VALUE[+...]`` -> ``(name,
+    switches)``. Raises ``ValueError`` naming what is wrong (unknown name, a module or
+    attribute that does not exist, a value that is not a Python literal)."""
+    if "=" not in text:
+        if text not in VARIANTS:
+            raise ValueError(f"unknown variant {text!r} (named: {', '.join(VARIANTS)}; or "
+                             "NAME=module.ATTR:VALUE)")
+        return text, VARIANTS[text]
+    name, spec = text.split("=", 1)
+    switches = {}
+    for part in spec.split("+"):
+        target, sep, value = part.partition(":")
+        mod, _, attr = target.rpartition(".")
+        if not sep or not mod or not attr:
+            raise ValueError(f"variant {name!r}: expected module.ATTR:VALUE, got {part!r}")
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            raise ValueError(f"variant {name!r}: no module {mod!r}") from None
+        if not hasattr(m, attr):
+            raise ValueError(f"variant {name!r}: module {mod} has no attribute {attr!r}")
+        try:
+            switches[(mod, attr)] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"variant {name!r}: {value!r} is not a Python literal") from None
+    return name, switches
+
+
+def run_variant(params, cfg, args, switches: dict) -> dict:
+    """One decode row with ``switches`` set (restored afterwards, also on an error)."""
+    mods = {(m, a): importlib.import_module(m) for m, a in switches}
+    saved = {k: getattr(mods[k], k[1]) for k in switches}
+    try:
+        for k, v in switches.items():
+            setattr(mods[k], k[1], v)
+        jax.clear_caches()
+        rec = e2e.decode_row(params, cfg, args.context, args.batch, args.row_args)
+        return {k: rec[k] for k in KEPT if k in rec}
+    finally:
+        for k, v in saved.items():
+            setattr(mods[k], k[1], v)
+        jax.clear_caches()
+
+
+def _ratio(a, b) -> str:
+    return "" if a is None or not b else f"{a / b:.3f}x"
+
+
+def build_parser() -> Parser:
+    ap = Parser(prog="decode_ab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="mid", help="mid | release-fit | tiny (default mid)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny config (CPU smoke test)")
+    ap.add_argument("--variants", default="base,loop",
+                    help="comma-separated variants (the first is the baseline; default "
+                         "base,loop)")
+    ap.add_argument("--batch", type=positive_int, default=1, help="rows (default 1)")
+    ap.add_argument("--context", type=positive_int, default=4096,
+                    help="positions in the state (default 4096)")
+    ap.add_argument("--steps", type=positive_int, default=20,
+                    help="steps timed synced, then as many queued (default 20)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens")
+    ap.add_argument("--out", default=None, help="write the records as JSON here")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tiny:
+        args.config = "tiny"
+    try:
+        variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    except ValueError as e:
+        print(f"decode_ab: --variants: {e}", file=sys.stderr)
+        return 2
+    if not variants:
+        print("decode_ab: --variants: none given", file=sys.stderr)
+        return 2
+    try:
+        args.row_args = e2e.parse_args([
+            "--config", args.config, "--rows", "decode", "--contexts", str(args.context),
+            "--batches", str(args.batch), "--fill", "synthetic", "--no-generate",
+            "--steps", str(args.steps), "--seed", str(args.seed), "--no-peer"])
+    except SystemExit as e:
+        return int(e.code or 2)
+    args.row_args.device_mesh = None
+    cfg = args.row_args.cfg
+    params = model.prepare_params(random_params_device(cfg, args.seed), cfg)
+    dev = jax.devices()[0]
+    res = {"config": args.config, "batch": args.batch, "context": args.context,
+           "device": dev.device_kind, "jax_version": jax.__version__, "variants": []}
+    print(f"decode_ab: {args.config}, batch {args.batch} after {args.context} positions, "
+          f"{dev.device_kind}", flush=True)
+    for name, switches in variants:
+        try:
+            rec = run_variant(params, cfg, args, switches)
+        except Exception as e:  # noqa: BLE001  (a variant that fails to build: keep the rest)
+            rec = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        rec = {"variant": name,
+               "switches": {f"{m}.{a}": repr(v) for (m, a), v in switches.items()}, **rec}
+        res["variants"].append(rec)
+        base = res["variants"][0]
+        if "error" in rec:
+            print(f"  {name}: {rec['error']}", flush=True)
+        else:
+            dev_ms = rec.get("device_ms_per_step")
+            print(f"  {name}: {rec['ms_per_step']:.2f} ms synced "
+                  f"({_ratio(rec['ms_per_step'], base.get('ms_per_step'))}), "
+                  f"{rec['ms_per_step_queued']:.2f} queued, device "
+                  f"{'-' if dev_ms is None else f'{dev_ms:.2f}'} ms in "
+                  f"{rec.get('launches_per_step') or '-'} launches; first step "
+                  f"{rec['first_step_s']:.1f} s", flush=True)
+        if args.out:
+            write_json(args.out, res)
+    return 0 if all("error" not in r for r in res["variants"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
