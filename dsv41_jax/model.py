@@ -347,7 +347,9 @@ def _unpin(scanned, pinned, at):
     """This layer's parameters: ``scanned`` (sliced by the scan) with the pinned ones put
     back: an array as its layer's slice of the stack, the FP8 linears, kernel-form experts
     and host tables as their whole stacks with ``at`` (int32: the layer's index in the
-    flattened stack ``[units * layers, ...]``)."""
+    flattened stack ``[units * layers, ...]``), and a block's mHC heads and sublayer norms
+    (:data:`MHC_STACKED`, ``attn_norm``, ``ffn_norm``) as flattened stacks with that index as
+    ``hc_at`` (:func:`dsv41_jax.layers.mhc.block_wiring`)."""
     if pinned is None:
         return scanned
     if not isinstance(pinned, dict):
@@ -355,8 +357,26 @@ def _unpin(scanned, pinned, at):
                                             keepdims=False)
     if "fp8" in pinned or grouped_matmul.is_kernel_form(pinned) or _in_host_memory(pinned):
         return {**pinned, "at": at}
-    return {k: _unpin(None if scanned is None else scanned.get(k), pinned[k], at)
-            for k in pinned}
+    out = {k: _unpin(None if scanned is None else scanned.get(k), pinned[k], at)
+           for k in pinned}
+    if all(k in pinned for k in MHC_STACKED) and "weight" in pinned.get("attn_norm", {}):
+        # the mHC heads and the sublayer norms as whole stacks with the layer's index: the
+        # glue kernels read them in place (a slice would be a copy before each kernel)
+        out.update({k: _flat_stack(pinned[k]) for k in MHC_STACKED}, hc_at=at,
+                   attn_norm={"weight": _flat_stack(pinned["attn_norm"]["weight"])},
+                   ffn_norm={"weight": _flat_stack(pinned["ffn_norm"]["weight"])})
+    return out
+
+
+#: A layer's mHC head parameters, kept as stacks by :func:`_unpin` (with ``hc_at``).
+MHC_STACKED = ("hc_attn_fn", "hc_attn_scale", "hc_attn_base", "hc_ffn_fn", "hc_ffn_scale",
+               "hc_ffn_base")
+
+
+def _flat_stack(a: jax.Array) -> jax.Array:
+    """A pinned ``[units, layers, ...]`` stack as ``[units * layers, ...]`` (``_unpin``'s
+    flattened index)."""
+    return a.reshape(-1, *a.shape[2:])
 
 
 def _unstack(tree, n):

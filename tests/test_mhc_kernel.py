@@ -104,6 +104,65 @@ def test_interpret_matches_reference(T, D, with_post):
         assert err <= 2 * 1.3 * 4 * 2.0 ** -24 * mix_max + 2.0 ** -23, (name, err)
 
 
+@pytest.mark.parametrize("impl", ["gpu_interpret", "xla"])
+@pytest.mark.parametrize("with_post", [False, True])
+def test_stacked_parameters_read_at_their_layer(impl, with_post):
+    """``layer=``: ``fn``, ``scale``, ``base``, ``norm_weight`` as stacks of 3 layers read at
+    the index (the kernels in place, the reference by a slice): bitwise the call on that
+    layer's slices, and another layer gives another result."""
+    X, st, pre, fn, scale, base, w = _inputs(3, 128, seed=5)
+    rng = np.random.default_rng(6)
+    fns = jnp.stack([fn, fn * 0.5, jnp.asarray(rng.normal(0, 0.05, fn.shape), jnp.float32)])
+    scales = jnp.stack([scale, scale * 1.5, scale * 0.5])
+    bases = jnp.stack([base, -base, base + 0.25])
+    ws = jnp.stack([w, (w * 2).astype(w.dtype), (w * 0.5).astype(w.dtype)])
+    streams = st if with_post else X
+    glue = lambda *a, **k: mhc.sublayer_glue(streams, pre, *a, impl=impl, **KW, **k)  # noqa
+    outs = []
+    for layer in range(3):
+        got = glue(fns, scales, bases, ws, layer=jnp.int32(layer))
+        want = glue(fns[layer], scales[layer], bases[layer], ws[layer])
+        for g, v in zip(got, want):
+            np.testing.assert_array_equal(_f32(g), _f32(v))
+        outs.append(got)
+    assert not np.array_equal(_f32(outs[0][1]), _f32(outs[2][1]))
+    assert not np.array_equal(_f32(outs[0][4]), _f32(outs[1][4]))
+
+
+def test_stacked_parameters_refused_when_inconsistent():
+    X, _, pre, fn, scale, base, w = _inputs(2, 64)
+    fns, scales, bases, ws = (jnp.stack([a, a]) for a in (fn, scale, base, w))
+    glue = lambda *a, **k: mhc.sublayer_glue(X, pre, *a, **{**KW, **k})  # noqa: E731
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        glue(fns, scales, bases, ws, layer=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        glue(fns, scales, bases, ws, layer=jnp.float32(0))
+    with pytest.raises(ValueError, match="scale must have shape"):
+        glue(fns, scale, bases, ws, layer=jnp.int32(0))
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        glue(fns, scales, bases, jnp.stack([w, w, w]), layer=jnp.int32(0))
+    with pytest.raises(ValueError, match="fn must have shape"):
+        glue(fn, scales, bases, ws, layer=jnp.int32(0))
+
+
+def test_rows_below_a_dot_tile_take_the_reductions(monkeypatch):
+    """Row blocks under DOT_ROWS (``MIN_BLOCK_ROWS = 1``: one row per program, 64-wide
+    chunks) compute the mixes as per-mix reductions instead of dot products: the same
+    results as the dot path, to the summation order."""
+    X, st, pre, fn, scale, base, w = _inputs(1, 256, seed=9)
+    want = mhc.sublayer_glue(st, pre, fn, scale, base, w, impl="gpu_interpret", **KW)
+    monkeypatch.setattr(mhc_triton, "MIN_BLOCK_ROWS", 1)
+    monkeypatch.setattr(mhc_triton, "TILE", 64)
+    jax.clear_caches()
+    assert mhc_triton.block_rows(1) == 1 and mhc_triton.chunk(256, 1) == 64
+    got = mhc.sublayer_glue(st, pre, fn, scale, base, w, impl="gpu_interpret", **KW)
+    jax.clear_caches()
+    _assert_bf16_close(got[0], want[0], "X")
+    _assert_bf16_close(got[1], want[1], "input")
+    for a, b in zip(got[2:], want[2:]):
+        np.testing.assert_allclose(_f32(a), _f32(b), rtol=0, atol=2e-6)
+
+
 def test_hc_post_and_pre_in_the_formula_order():
     """With products exact (dyadic inputs) no FMA contraction can change a result: ``X`` and
     ``input`` equal the reference bit for bit, on two blocks of rows (T = 70, the second

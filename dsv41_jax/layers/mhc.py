@@ -35,9 +35,12 @@ def block_wiring(p: dict, X: Float[Array, "B S C D"], pre_mix: Float[Array, "B S
     The glue before each sublayer (its head, the collapse and norm of its input, and before the
     FFN the attention's ``hc_post``) is :func:`pallas_kernels.mhc.sublayer_glue` (``impl``:
     two kernels on a GPU for a decode step's rows, the jnp functions of this module otherwise);
-    the block's last ``hc_post`` stays jnp.
+    the block's last ``hc_post`` stays jnp. ``p["hc_at"]``, where present (a scanned layer
+    group's parameters, :func:`dsv41_jax.model._unpin`): the heads' and norms' parameters are
+    whole stacks, read at that layer.
     """
-    kw = dict(hc=hc, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, impl=impl)
+    kw = dict(hc=hc, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, impl=impl,
+              layer=p.get("hc_at"))
     X, xa, a_pre, a_post, a_comb = mhc_kernels.sublayer_glue(
         X, pre_mix, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"],
         p["attn_norm"]["weight"], **kw)

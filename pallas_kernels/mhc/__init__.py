@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import impls
@@ -48,8 +49,9 @@ __all__ = ["MAX_ROWS", "sublayer_glue"]
 
 #: The most rows (``prod(*batch)``) for which ``impl="auto"`` runs the kernels on a GPU: 0 (the
 #: kernels off): in a ``mid`` decode step at batch 1 on an H100 they cut 332 launches but added
-#: 3.1 ms of device time (docs/benchmarks.md, "End-to-end"). 64 is the size they are built and
-#: tested for (``impl="gpu"`` runs them at any size).
+#: 3.1 ms of device time, 40 us a call in the mixes' row reductions (docs/benchmarks.md,
+#: "End-to-end"), which now run as dot products; not yet timed again. 64 is the size they are
+#: built and tested for (``impl="gpu"`` runs them at any size).
 MAX_ROWS = 0
 
 
@@ -62,8 +64,11 @@ def _check(name: str, a, shape: tuple, dtypes: tuple) -> None:
 
 
 def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, iters: int,
-                  hc_eps: float, norm_eps: float, impl: str = "auto"):
-    """See the module docstring. Returns ``(X, input, pre, post, comb)``. Raises
+                  hc_eps: float, norm_eps: float, impl: str = "auto", layer=None):
+    """See the module docstring. Returns ``(X, input, pre, post, comb)``. ``layer`` (an int32
+    scalar): ``fn``, ``scale``, ``base`` and ``norm_weight`` are stacks ``[L, ...]`` of a
+    scanned layer group read at that layer (the kernels index the stacks where they lie; the
+    reference slices them), so no copy of a layer's slice precedes the kernels. Raises
     ``ValueError`` for an unknown ``impl``, ``iters < 1``, or an argument of the wrong shape or
     dtype (naming it)."""
     impl = impls.check_family(impl)
@@ -89,10 +94,15 @@ def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, i
         _check("X", streams, (*batch, hc, D), (jnp.bfloat16,))
     M = (2 + hc) * hc
     _check("pre_prev", pre_prev, (*batch, hc), (jnp.float32,))
-    _check("fn", fn, (M, hc * D), (jnp.float32,))
-    _check("scale", scale, (3,), (jnp.float32,))
-    _check("base", base, (M,), (jnp.float32,))
-    _check("norm_weight", norm_weight, (D,), (jnp.bfloat16, jnp.float32))
+    stack = ()
+    if layer is not None:
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+        stack = tuple(jnp.shape(fn)[:1])
+    _check("fn", fn, (*stack, M, hc * D), (jnp.float32,))
+    _check("scale", scale, (*stack, 3), (jnp.float32,))
+    _check("base", base, (*stack, M), (jnp.float32,))
+    _check("norm_weight", norm_weight, (*stack, D), (jnp.bfloat16, jnp.float32))
     T = math.prod(batch)
     kw = dict(hc=hc, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
     sinkhorn_impl = "xla" if impl == "xla" else "auto"
@@ -104,6 +114,9 @@ def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, i
             raise ValueError(f"the kernels need D a multiple of {triton.MIN_CHUNK}, got {D}")
         if T > 0:
             return triton.sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight,
-                                        interpret=impls.interpret(impl), **kw)
+                                        layer=layer, interpret=impls.interpret(impl), **kw)
+    if layer is not None:
+        fn, scale, base, norm_weight = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
+                                        for a in (fn, scale, base, norm_weight))
     return reference.sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight,
                                    sinkhorn_impl=sinkhorn_impl, **kw)

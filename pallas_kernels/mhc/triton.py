@@ -39,6 +39,8 @@ MIN_BLOCK_ROWS = 16    # rows per program, at least (a power of two)
 MAX_BLOCK_ROWS = 64    # rows per program, at most
 TILE = 2048            # elements of one stream's [rows, chunk] tile in the partials kernel
 NORM_TILE = 4096       # elements of the [rows, norm_chunk] tile in the finishing kernel
+DOT_ROWS = 16          # mixes per dot product in the partials kernel (a Triton dot's least)
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def block_rows(T: int) -> int:
@@ -60,11 +62,14 @@ def chunk(D: int, rows: int, tile: int | None = None) -> int:
     return c
 
 
-def _partials_kernel(*refs, hc: int, M: int, rows: int, bt: int, ch: int, with_post: bool):
+def _partials_kernel(layer_ref, *refs, hc: int, M: int, rows: int, bt: int, ch: int,
+                     with_post: bool):
     if with_post:
         y_ref, res_ref, post_ref, comb_ref, pre_ref, fn_ref, x_out, h_out, p_out = refs
     else:
         x_ref, pre_ref, fn_ref, h_out, p_out = refs
+    layer = layer_ref[0]                               # fn: the whole stack [L, M, hc, D]
+    cols = pl.ds(pl.program_id(0) * ch, ch)            # this program's chunk of D
     r = pl.program_id(1) * bt + jnp.arange(bt)
     rmask = r < rows
     mask = jnp.broadcast_to(rmask[:, None], (bt, ch))
@@ -96,24 +101,42 @@ def _partials_kernel(*refs, hc: int, M: int, rows: int, bt: int, ch: int, with_p
     pltr.store(h_out, hb, mask=mask)
     hf = hb.astype(F32)
 
-    for m in range(M):
-        acc = None
-        for c in range(hc):
-            w = fn_ref[np.int32(m), np.int32(c), :]
-            part = jnp.sum(xs[c] * w[None, :], axis=1)
-            acc = part if acc is None else acc + part
-        pltr.store(p_out.at[np.int32(m), :], acc, mask=rmask)
-    x2 = None
-    for c in range(hc):
-        part = jnp.sum(xs[c] * xs[c], axis=1)
-        x2 = part if x2 is None else x2 + part
-    pltr.store(p_out.at[np.int32(M), :], x2, mask=rmask)
+    if M >= DOT_ROWS and bt >= DOT_ROWS:
+        # the mixes DOT_ROWS at a time as fp32 dot products (IEEE FMAs, no TF32): a handful of
+        # dots instead of M * hc reductions across the program's warps, each of which waits
+        # on the others; a last group that would pass M starts at M - DOT_ROWS instead (its
+        # first mixes stored twice, the same values)
+        starts = list(range(0, M - DOT_ROWS + 1, DOT_ROWS))
+        if M % DOT_ROWS:
+            starts.append(M - DOT_ROWS)
+        pmask = jnp.broadcast_to(rmask[None, :], (DOT_ROWS, bt))
+        for s0 in starts:
+            acc = None
+            for c in range(hc):
+                w = fn_ref[layer, pl.ds(s0, DOT_ROWS), np.int32(c), cols]  # [DOT_ROWS, ch]
+                part = jax.lax.dot_general(xs[c], w, (((1,), (1,)), ((), ())),
+                                           precision=HIGHEST, preferred_element_type=F32)
+                acc = part if acc is None else acc + part                 # [bt, DOT_ROWS]
+            pltr.store(p_out.at[pl.ds(s0, DOT_ROWS), :], acc.T, mask=pmask)
+    else:
+        for m in range(M):
+            acc = None
+            for c in range(hc):
+                w = fn_ref[layer, np.int32(m), np.int32(c), cols]
+                part = jnp.sum(xs[c] * w[None, :], axis=1)
+                acc = part if acc is None else acc + part
+            pltr.store(p_out.at[np.int32(m), :], acc, mask=rmask)
+    sq = xs[0] * xs[0]                                 # the streams' squares, then one sum
+    for c in range(1, hc):
+        sq = sq + xs[c] * xs[c]
+    pltr.store(p_out.at[np.int32(M), :], jnp.sum(sq, axis=1), mask=rmask)
     pltr.store(p_out.at[np.int32(M + 1), :], jnp.sum(hf * hf, axis=1), mask=rmask)
 
 
-def _finish_kernel(p_ref, h_ref, w_ref, scale_ref, base_ref, in_out, pre_out, post_out,
-                   comb_out, *, hc: int, M: int, n_chunks: int, rows: int, bt: int, D: int,
-                   iters: int, hc_eps: float, norm_eps: float, interpret: bool):
+def _finish_kernel(layer_ref, p_ref, h_ref, w_ref, scale_ref, base_ref, in_out, pre_out,
+                   post_out, comb_out, *, hc: int, M: int, n_chunks: int, rows: int, bt: int,
+                   D: int, iters: int, hc_eps: float, norm_eps: float, interpret: bool):
+    layer = layer_ref[0]                               # w, scale, base: whole stacks
     r = pl.program_id(0) * bt + jnp.arange(bt)
     rmask = r < rows
     dc = h_ref.shape[1]
@@ -141,15 +164,15 @@ def _finish_kernel(p_ref, h_ref, w_ref, scale_ref, base_ref, in_out, pre_out, po
 
     rs = jax.lax.rsqrt(mean(total(M + 1), D) + norm_eps)
     hf = pltr.load(h_ref, mask=mask, other=0.0).astype(F32)
-    w = w_ref[...].astype(F32)
+    w = w_ref[layer, pl.ds(pl.program_id(1) * dc, dc)].astype(F32)
     pltr.store(in_out, (w[None, :] * (hf * rs[:, None])).astype(BF16), mask=mask)
 
     @pl.when(pl.program_id(1) == 0)
     def _split():
         rx = jax.lax.rsqrt(mean(total(M), hc * D) + norm_eps)
         m = [total(k) * rx for k in range(M)]
-        s = [scale_ref[np.int32(i)] for i in range(3)]
-        b = [base_ref[np.int32(k)] for k in range(M)]
+        s = [scale_ref[layer, np.int32(i)] for i in range(3)]
+        b = [base_ref[layer, np.int32(k)] for k in range(M)]
         for j in range(hc):
             pltr.store(pre_out.at[:, np.int32(j)],
                        jax.nn.sigmoid(m[j] * s[0] + b[j]) + hc_eps, mask=rmask)
@@ -176,11 +199,20 @@ def _finish_kernel(p_ref, h_ref, w_ref, scale_ref, base_ref, in_out, pre_out, po
             pltr.store(comb_out.at[:, np.int32(k)], c[k], mask=rmask)
 
 
+def _stack(a, layer):
+    """``(stack, layer [1] int32)``: ``a`` with a stack axis of 1 and layer 0 when ``layer``
+    is None (one layer's parameter), else ``a`` (a stack) and its layer index."""
+    if layer is None:
+        return a[None], jnp.zeros((1,), jnp.int32)
+    return a, jnp.reshape(layer, (1,)).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("hc", "interpret"))
-def partials(streams, pre_prev, fn, *, hc: int, interpret: bool = False):
+def partials(streams, pre_prev, fn, *, hc: int, layer=None, interpret: bool = False):
     """The first kernel: ``([X bf16 [T, hc, D] if streams is a tuple,] h bf16 [T, D],
     partials fp32 [D / chunk, M + 2, T])``, a chunk's ``M`` mixes dot products, ``sum f32(X)^2``
-    and ``sum f32(h)^2`` (the module docstring)."""
+    and ``sum f32(h)^2`` (the module docstring). ``fn``: ``[M, hc * D]``, or with ``layer``
+    (int32 scalar) a stack ``[L, M, hc * D]`` that the kernel reads at that layer."""
     with_post = isinstance(streams, tuple)
     x = streams[1] if with_post else streams
     *batch, _, D = x.shape
@@ -202,8 +234,9 @@ def partials(streams, pre_prev, fn, *, hc: int, interpret: bool = False):
         out_specs = [stream_spec]
     else:
         ins, in_specs, out_shape, out_specs = [x.reshape(T, hc, D)], [stream_spec], [], []
-    ins += [pre_prev.reshape(T, hc), fn.reshape(M, hc, D)]
-    in_specs += [row_spec(hc), pl.BlockSpec((M, hc, ch), lambda i, t: (0, 0, i))]
+    fn, at = _stack(fn, layer)
+    ins += [pre_prev.reshape(T, hc), fn.reshape(fn.shape[0], M, hc, D)]
+    in_specs += [row_spec(hc), pl.BlockSpec()]
     out_shape += [jax.ShapeDtypeStruct((T, D), BF16),
                   jax.ShapeDtypeStruct((n_chunks, M + 2, T), F32)]
     out_specs += [pl.BlockSpec((bt, ch), lambda i, t: (t, i)),
@@ -211,37 +244,39 @@ def partials(streams, pre_prev, fn, *, hc: int, interpret: bool = False):
     return pl.pallas_call(
         functools.partial(_partials_kernel, hc=hc, M=M, rows=T, bt=bt, ch=ch,
                           with_post=with_post),
-        grid=(n_chunks, n_rows), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        grid=(n_chunks, n_rows), in_specs=[pl.BlockSpec()] + in_specs, out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="mhc_glue_partials",
-    )(*ins)
+    )(at, *ins)
 
 
 @functools.partial(jax.jit, static_argnames=("hc", "iters", "hc_eps", "norm_eps", "interpret"))
 def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, iters: int,
-                  hc_eps: float, norm_eps: float, interpret: bool = False):
-    """See :func:`pallas_kernels.mhc.sublayer_glue` (arguments checked there)."""
+                  hc_eps: float, norm_eps: float, layer=None, interpret: bool = False):
+    """See :func:`pallas_kernels.mhc.sublayer_glue` (arguments checked there; with ``layer``,
+    ``fn``, ``scale``, ``base`` and ``norm_weight`` are stacks read at that layer)."""
     x = streams[1] if isinstance(streams, tuple) else streams
     *batch, _, D = x.shape
     T = int(np.prod(batch))
     M = (2 + hc) * hc
     bt = block_rows(T)
     n_chunks, n_rows = D // chunk(D, bt), pl.cdiv(T, bt)
-    outs = partials(streams, pre_prev, fn, hc=hc, interpret=interpret)
+    outs = partials(streams, pre_prev, fn, hc=hc, layer=layer, interpret=interpret)
     X = outs[0].reshape(x.shape) if isinstance(streams, tuple) else x
     h, parts = outs[-2:]
 
     dc = chunk(D, bt, NORM_TILE)
+    at = _stack(scale, layer)[1]
     x_in, pre, post, comb = pl.pallas_call(
         functools.partial(_finish_kernel, hc=hc, M=M, n_chunks=n_chunks, rows=T, bt=bt, D=D,
                           iters=iters, hc_eps=float(hc_eps), norm_eps=float(norm_eps),
                           interpret=interpret),
         grid=(n_rows, D // dc),
-        in_specs=[pl.BlockSpec((n_chunks, M + 2, bt), lambda t, d: (0, 0, t)),
+        in_specs=[pl.BlockSpec(),
+                  pl.BlockSpec((n_chunks, M + 2, bt), lambda t, d: (0, 0, t)),
                   pl.BlockSpec((bt, dc), lambda t, d: (t, d)),
-                  pl.BlockSpec((dc,), lambda t, d: (d,)),
-                  pl.BlockSpec((3,), lambda t, d: (0,)),
-                  pl.BlockSpec((M,), lambda t, d: (0,))],
+                  pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()],
         out_specs=[pl.BlockSpec((bt, dc), lambda t, d: (t, d)),
                    pl.BlockSpec((bt, hc), lambda t, d: (t, 0)),
                    pl.BlockSpec((bt, hc), lambda t, d: (t, 0)),
@@ -251,6 +286,6 @@ def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, i
                    jax.ShapeDtypeStruct((T, hc * hc), F32)],
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="mhc_glue_finish",
-    )(parts, h, norm_weight, scale, base)
+    )(at, parts, h, *[_stack(a, layer)[0] for a in (norm_weight, scale, base)])
     return (X, x_in.reshape(*batch, D), pre.reshape(*batch, hc), post.reshape(*batch, hc),
             comb.reshape(*batch, hc, hc))
