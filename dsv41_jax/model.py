@@ -357,14 +357,16 @@ def _unpin(scanned, pinned, at):
                                             keepdims=False)
     if "fp8" in pinned or grouped_matmul.is_kernel_form(pinned) or _in_host_memory(pinned):
         return {**pinned, "at": at}
+    # a block's mHC heads and sublayer norms as whole stacks with the layer's index: the glue
+    # kernels read them in place (a slice would be a copy before each kernel)
+    heads = (all(k in pinned for k in MHC_STACKED)
+             and all("weight" in pinned.get(n, {}) for n in ("attn_norm", "ffn_norm")))
     out = {k: _unpin(None if scanned is None else scanned.get(k), pinned[k], at)
-           for k in pinned}
-    if all(k in pinned for k in MHC_STACKED) and "weight" in pinned.get("attn_norm", {}):
-        # the mHC heads and the sublayer norms as whole stacks with the layer's index: the
-        # glue kernels read them in place (a slice would be a copy before each kernel)
-        out.update({k: _flat_stack(pinned[k]) for k in MHC_STACKED}, hc_at=at,
-                   attn_norm={"weight": _flat_stack(pinned["attn_norm"]["weight"])},
-                   ffn_norm={"weight": _flat_stack(pinned["ffn_norm"]["weight"])})
+           for k in pinned if not (heads and k in MHC_STACKED)}
+    if heads:
+        out.update({k: _flat_stack(pinned[k]) for k in MHC_STACKED}, hc_at=at)
+        for n in ("attn_norm", "ffn_norm"):
+            out[n] = {**out[n], "weight": _flat_stack(pinned[n]["weight"])}
     return out
 
 
