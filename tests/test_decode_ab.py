@@ -70,8 +70,10 @@ def test_tiny_run_records_each_variant_and_restores_the_switch(tool, tmp_path):
     assert seen == [before, False]
     assert attention.RING_IN_PLACE == before
     res = json.loads(out.read_text())
+    assert (res["config"], res["batch"], res["context"], res["steps"]) == ("tiny", 1, 40, 2)
     assert [r["variant"] for r in res["variants"]] == ["base", "copyring"]
     assert res["variants"][1]["switches"] == {
         "dsv41_jax.layers.attention.RING_IN_PLACE": "False"}
     for r in res["variants"]:
         assert r["logits_finite"] and r["ms_per_step"] > 0 and r["ms_per_step_queued"] > 0
+        assert r["device_ms_per_step"] is None and "kernels" not in r   # no device on a CPU

@@ -4,7 +4,7 @@ the switches that choose a kernel or a program layout at trace time (docs/benchm
 
     python tools/decode_ab.py --variants base,loop,mhc --out ab_b1.json              # GPU
     python tools/decode_ab.py --variants base,gemv16 --batch 64 --out ab_b64.json      # GPU
-    python tools/decode_ab.py --variants "base,pairs=dsv41_jax.layers.moe.GATHERED_ON_KERNEL:True"
+    python tools/decode_ab.py --variants "base,scans=dsv41_jax.model.UNROLL_DECODE_RUNS:'never'"
     python tools/decode_ab.py --tiny --variants base,loop --context 200               # CPU smoke
 
 Each variant sets its switches (module attributes read when a step is traced), clears JAX's
@@ -16,13 +16,25 @@ to back, and a profiler trace of 3 more (device time, kernel launches, the longe
 none on a CPU). Then the switches go back. The first variant is the baseline of the printed
 ratios; ``--out`` gets every record, rewritten after each variant.
 
-A variant is a name of :data:`VARIANTS` or ``NAME=module.ATTR:VALUE[+module.ATTR:VALUE...]``
-(``VALUE`` a Python literal). Each variant compiles the whole step (20-90 s for ``mid`` on a
-GPU); order them so that the ones that matter come first under a time limit.
+A variant is a name of :data:`VARIANTS` (``--help`` lists them with their switches) or
+``NAME=module.ATTR:VALUE[+module.ATTR:VALUE...]``, ``VALUE`` a Python literal (a string in
+quotes: ``'never'``; no commas, which separate variants). A switch acts only where the code
+reads ``module.ATTR`` when it traces (a name imported with ``from module import ATTR`` keeps
+its value). Each variant compiles the whole step (20-90 s for ``mid`` on a GPU); order them so
+that the ones that matter come first under a time limit. Exit status 1 if a variant failed
+(its record holds the error), 2 for a bad argument.
+
+Output (``--out``): ``config``, ``batch``, ``context``, ``steps``, ``seed``, ``device``, and per
+variant its ``switches`` (``module.ATTR`` -> the value's repr), ``ms_per_step`` (median of the
+synced steps), ``ms_per_step_min``, ``ms_per_step_queued`` (the queued steps' wall time / their
+number), ``device_ms_per_step`` and ``launches_per_step`` (from the 3 traced steps; null on a
+CPU), ``first_step_s`` (the first call: trace, compile and run), ``logits_finite``, and
+``kernels``: the 8 longest kernels, ``us`` and ``calls`` per step (a GPU only).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import json
@@ -93,7 +105,10 @@ def run_variant(params, cfg, args, switches: dict) -> dict:
             setattr(mods[k], k[1], v)
         jax.clear_caches()
         rec = e2e.decode_row(params, cfg, args.context, args.batch, args.row_args)
-        return {k: rec[k] for k in KEPT if k in rec}
+        out = {k: rec[k] for k in KEPT if k in rec}
+        if out.get("device_ms_per_step") is None:
+            out.pop("kernels", None)           # no device streams: only the host's events
+        return out
     finally:
         for k, v in saved.items():
             setattr(mods[k], k[1], v)
@@ -105,9 +120,15 @@ def _ratio(a, b) -> str:
 
 
 def build_parser() -> Parser:
-    ap = Parser(prog="decode_ab", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="mid", help="mid | release-fit | tiny (default mid)")
-    ap.add_argument("--tiny", action="store_true", help="the tiny config (CPU smoke test)")
+    epilog = "named variants:\n" + "\n".join(
+        f"  {name}: " + (", ".join(f"{m}.{a} = {v!r}" for (m, a), v in sw.items()) or
+                         "the defaults") for name, sw in VARIANTS.items())
+    ap = Parser(prog="decode_ab", description=__doc__.split("\n\n")[0], epilog=epilog,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="mid", choices=("mid", "release-fit", "tiny"),
+                    help="the config (default mid)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the tiny config (CPU smoke test; overrides --config)")
     ap.add_argument("--variants", default="base,loop",
                     help="comma-separated variants (the first is the baseline; default "
                          "base,loop)")
@@ -145,7 +166,8 @@ def main(argv=None) -> int:
     params = model.prepare_params(random_params_device(cfg, args.seed), cfg)
     dev = jax.devices()[0]
     res = {"config": args.config, "batch": args.batch, "context": args.context,
-           "device": dev.device_kind, "jax_version": jax.__version__, "variants": []}
+           "steps": args.steps, "seed": args.seed, "device": dev.device_kind,
+           "jax_version": jax.__version__, "variants": []}
     print(f"decode_ab: {args.config}, batch {args.batch} after {args.context} positions, "
           f"{dev.device_kind}", flush=True)
     for name, switches in variants:
@@ -161,12 +183,16 @@ def main(argv=None) -> int:
             print(f"  {name}: {rec['error']}", flush=True)
         else:
             dev_ms = rec.get("device_ms_per_step")
-            print(f"  {name}: {rec['ms_per_step']:.2f} ms synced "
-                  f"({_ratio(rec['ms_per_step'], base.get('ms_per_step'))}), "
-                  f"{rec['ms_per_step_queued']:.2f} queued, device "
-                  f"{'-' if dev_ms is None else f'{dev_ms:.2f}'} ms in "
-                  f"{rec.get('launches_per_step') or '-'} launches; first step "
-                  f"{rec['first_step_s']:.1f} s", flush=True)
+            synced, queued = rec["ms_per_step"], rec["ms_per_step_queued"]
+            line = (f"  {name}: {synced:.2f} ms synced, {queued:.2f} ms queued"
+                    + ("" if dev_ms is None else
+                       f", {dev_ms:.2f} ms device in {rec['launches_per_step']:.0f} launches")
+                    + f"; first step {rec['first_step_s']:.1f} s")
+            if rec is not base and "error" not in base:
+                line += (f" ({_ratio(synced, base['ms_per_step'])} synced, "
+                         f"{_ratio(queued, base['ms_per_step_queued'])} queued of "
+                         f"{base['variant']})")
+            print(line, flush=True)
         if args.out:
             write_json(args.out, res)
     return 0 if all("error" not in r for r in res["variants"]) else 1
