@@ -353,8 +353,7 @@ def _unpin(scanned, pinned, at):
     if pinned is None:
         return scanned
     if not isinstance(pinned, dict):
-        return jax.lax.dynamic_index_in_dim(pinned.reshape(-1, *pinned.shape[2:]), at,
-                                            keepdims=False)
+        return jax.lax.dynamic_index_in_dim(_flat_stack(pinned), at, keepdims=False)
     if "fp8" in pinned or grouped_matmul.is_kernel_form(pinned) or _in_host_memory(pinned):
         return {**pinned, "at": at}
     # a block's mHC heads and sublayer norms as whole stacks with the layer's index: the glue
