@@ -64,7 +64,7 @@ def _assert_bf16_close(got, want, name, scale=4.0):
 @pytest.mark.parametrize("T, D, with_post", [
     (1, 2048, False), (1, 2048, True),      # a decode step of batch 1 at the mid width
     (3, 128, True), (16, 64, False),        # a ragged row block; one full block
-    (40, 128, False), (40, 2048, True),     # a 64-row block, 40 rows used
+    (40, 128, False), (40, 2048, True),     # 16-row blocks, the third ragged (8 rows)
 ])
 def test_interpret_matches_reference(T, D, with_post):
     """``X`` and ``input`` within one bf16 ulp of the (jitted) reference and bitwise equal in at
@@ -145,22 +145,23 @@ def test_stacked_parameters_refused_when_inconsistent():
         glue(fn, scales, bases, ws, layer=jnp.int32(0))
 
 
-def test_rows_below_a_dot_tile_take_the_reductions(monkeypatch):
-    """Row blocks under DOT_ROWS (``MIN_BLOCK_ROWS = 1``: one row per program, 64-wide
-    chunks) compute the mixes as per-mix reductions instead of dot products: the same
-    results as the dot path, to the summation order."""
+def test_mix_groups_equal_per_mix_reductions(monkeypatch):
+    """The mixes MIX_GROUP at a time (one product tile and one reduction per group) against
+    one reduction per mix (the path of ``M < MIX_GROUP``): the same results to the
+    summation order, with a ragged last group (``MIX_GROUP = 16``: groups at 0 and 8)."""
     X, st, pre, fn, scale, base, w = _inputs(1, 256, seed=9)
-    want = mhc.sublayer_glue(st, pre, fn, scale, base, w, impl="gpu_interpret", **KW)
-    monkeypatch.setattr(mhc_triton, "MIN_BLOCK_ROWS", 1)
-    monkeypatch.setattr(mhc_triton, "TILE", 64)
+    outs = []
+    for group in (8, 16, 64):
+        monkeypatch.setattr(mhc_triton, "MIX_GROUP", group)
+        jax.clear_caches()
+        outs.append(mhc.sublayer_glue(st, pre, fn, scale, base, w, impl="gpu_interpret", **KW))
     jax.clear_caches()
-    assert mhc_triton.block_rows(1) == 1 and mhc_triton.chunk(256, 1) == 64
-    got = mhc.sublayer_glue(st, pre, fn, scale, base, w, impl="gpu_interpret", **KW)
-    jax.clear_caches()
-    _assert_bf16_close(got[0], want[0], "X")
-    _assert_bf16_close(got[1], want[1], "input")
-    for a, b in zip(got[2:], want[2:]):
-        np.testing.assert_allclose(_f32(a), _f32(b), rtol=0, atol=2e-6)
+    want = outs[-1]
+    for got in outs[:-1]:
+        _assert_bf16_close(got[0], want[0], "X")
+        _assert_bf16_close(got[1], want[1], "input")
+        for a, b in zip(got[2:], want[2:]):
+            np.testing.assert_allclose(_f32(a), _f32(b), rtol=0, atol=2e-6)
 
 
 def test_hc_post_and_pre_in_the_formula_order():
@@ -179,15 +180,18 @@ def test_hc_post_and_pre_in_the_formula_order():
     np.testing.assert_array_equal(_f32(got[0]), _f32(want[0]))
     _assert_bf16_close(got[1], want[1], "input")
     np.testing.assert_allclose(_f32(got[4]), _f32(want[4]), rtol=0, atol=2e-5)
-    assert mhc_triton.block_rows(T) == 64 and np.abs(_f32(got[1])[-1]).sum() > 0
+    assert mhc_triton.block_rows(T) == 16 and np.abs(_f32(got[1])[-1]).sum() > 0
 
 
 def test_block_sizes():
-    assert [mhc_triton.block_rows(T) for T in (1, 16, 17, 40, 64, 65, 4096)] == [
-        16, 16, 32, 64, 64, 64, 64]
-    assert mhc_triton.chunk(5120, 16) == 128 and mhc_triton.chunk(5120, 64) == 64
-    assert mhc_triton.chunk(64, 16) == 64 and mhc_triton.chunk(2048, 32) == 64
+    assert [mhc_triton.block_rows(T) for T in (1, 2, 3, 16, 17, 64, 4096)] == [
+        1, 2, 4, 16, 16, 16, 16]
+    # a decode step's rows: chunks of 64 for programs enough; more rows, the product tile
+    assert mhc_triton.mix_chunk(2048, 1) == 64 and mhc_triton.mix_chunk(5120, 1) == 64
+    assert mhc_triton.mix_chunk(64, 1) == 64 and mhc_triton.mix_chunk(8192, 1) == 128
+    assert mhc_triton.mix_chunk(8192, 16) == 64 and mhc_triton.mix_chunk(5120, 64) == 64
     assert mhc_triton.chunk(5120, 16, mhc_triton.NORM_TILE) == 256
+    assert mhc_triton.chunk(2048, 1, mhc_triton.NORM_TILE) == 2048
 
 
 def test_refusals():

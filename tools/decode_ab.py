@@ -57,9 +57,12 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     "nopair": {("dsv41_jax.layers.linear", "PAIRED_GEMV"): False},
     "gemv16": {("pallas_kernels.gemv", "AUTO_MAX_ROWS"): 16},
     "mhc": {("pallas_kernels.mhc", "MAX_ROWS"): 64},
-    "mhc_r1": {("pallas_kernels.mhc", "MAX_ROWS"): 64,
-               ("pallas_kernels.mhc.triton", "MIN_BLOCK_ROWS"): 1,
-               ("pallas_kernels.mhc.triton", "TILE"): 64},
+    "mhc_wide": {("pallas_kernels.mhc", "MAX_ROWS"): 64,
+                 ("pallas_kernels.mhc.triton", "TARGET_PROGRAMS"): 1},
+    "mhc_w1": {("pallas_kernels.mhc", "MAX_ROWS"): 64,
+               ("pallas_kernels.mhc.triton", "PARTIALS_WARPS"): 1,
+               ("pallas_kernels.mhc.triton", "FINISH_WARPS"): 1},
+    "routed16": {("dsv41_jax.layers.moe", "GATHERED_PAIRS"): 16},
     "pairs_kernel": {("dsv41_jax.layers.moe", "GATHERED_ON_KERNEL"): True},
 }
 

@@ -5,8 +5,10 @@ Two launches, no XLA op between them or around them (every reshape is a bitcast)
 * :func:`_partials_kernel`, grid ``(D / chunk, T / rows)``: per program a ``[rows, chunk]``
   slice of every stream. Optionally ``X = hc_post(y, res, post, comb)`` of the slice (stored
   bf16), then ``h = hc_pre(X, pre_prev)`` (stored bf16), and the slice's partial sums for each
-  row: the ``M = (2 + hc) * hc`` mixes dot products with ``fn``'s ``hc`` stream slices, the sum
-  of ``f32(X)^2`` and the sum of ``f32(h)^2`` -> ``partials`` fp32 ``[D / chunk, M + 2, T]``.
+  row: the ``M = (2 + hc) * hc`` mixes dot products with ``fn``'s ``hc`` stream slices
+  (:data:`MIX_GROUP` mixes per ``[rows, MIX_GROUP, chunk]`` product and one reduction), the
+  sum of ``f32(X)^2`` and the sum of ``f32(h)^2`` -> ``partials`` fp32
+  ``[D / chunk, M + 2, T]``.
 * :func:`_finish_kernel`, grid ``(T / rows, D / norm_chunk)``: every program sums the
   ``partials`` over the chunks for its rows (one load per power-of-two piece of the chunks,
   summed as a tree, the pieces in increasing order) and writes its ``[rows, norm_chunk]`` slice
@@ -17,7 +19,8 @@ Two launches, no XLA op between them or around them (every reshape is a bitcast)
 
 Rows past ``T`` of a ragged last row block are masked in the kernels (loads read 0 or 1, stores
 skip them). ``D`` must be a multiple of :data:`MIN_CHUNK`; chunks are powers of two dividing
-``D`` (a DeepSeek-V4.1-Flash ``D = 5120``: 40 chunks of 128 at ``T <= 16``).
+``D`` (:func:`mix_chunk`: at a decode step's few rows, chunks of 64, so a DeepSeek-V4.1-Flash
+``D = 5120`` runs 80 programs).
 """
 
 from __future__ import annotations
@@ -35,12 +38,18 @@ from pallas_kernels.sinkhorn.triton import divide, run_pairs
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 MIN_CHUNK = 64         # a tile's width along D (narrower tiles crashed another kernel's build)
-MIN_BLOCK_ROWS = 16    # rows per program, at least (a power of two)
-MAX_BLOCK_ROWS = 64    # rows per program, at most
-TILE = 2048            # elements of one stream's [rows, chunk] tile in the partials kernel
+MIN_BLOCK_ROWS = 1     # rows per program, at least (a power of two)
+MAX_BLOCK_ROWS = 16    # rows per program, at most
+MIX_GROUP = 8          # mixes per broadcast product and reduction in the partials kernel
+PRODUCT_TILE = 8192    # elements of the partials kernel's [rows, MIX_GROUP, chunk] products
+TARGET_PROGRAMS = 64   # the partials kernel's grid, at least, where chunks of MIN_CHUNK allow
 NORM_TILE = 4096       # elements of the [rows, norm_chunk] tile in the finishing kernel
-DOT_ROWS = 16          # mixes per dot product in the partials kernel (a Triton dot's least)
-HIGHEST = jax.lax.Precision.HIGHEST
+#: Warps per program of each kernel (read when a call is traced). With one warp every
+#: reduction is shuffles within the warp, no barrier; at 4 warps each of the finishing
+#: kernel's 26 chunk sums synchronises the warps (on an H100 the finishing kernel took 15 us a
+#: call at 8 rows, 24 us at 64).
+PARTIALS_WARPS = 4
+FINISH_WARPS = 4
 
 
 def block_rows(T: int) -> int:
@@ -52,13 +61,24 @@ def block_rows(T: int) -> int:
     return b
 
 
-def chunk(D: int, rows: int, tile: int | None = None) -> int:
-    """The largest power of two dividing ``D`` with ``rows * chunk <= tile`` (default
-    :data:`TILE`; at least :data:`MIN_CHUNK`)."""
-    tile = TILE if tile is None else tile
+def chunk(D: int, rows: int, tile: int) -> int:
+    """The largest power of two dividing ``D`` with ``rows * chunk <= tile`` (at least
+    :data:`MIN_CHUNK`)."""
     c = MIN_CHUNK
     while D % (2 * c) == 0 and rows * 2 * c <= tile:
         c *= 2
+    return c
+
+
+def mix_chunk(D: int, T: int) -> int:
+    """The partials kernel's chunk of ``D`` for ``T`` rows: :func:`chunk` of a
+    ``[rows, MIX_GROUP, chunk]`` product within :data:`PRODUCT_TILE`, halved (down to
+    :data:`MIN_CHUNK`) while the grid has fewer than :data:`TARGET_PROGRAMS` programs (a
+    decode step's few rows: more programs in flight, each reading less of ``fn``)."""
+    bt = block_rows(T)
+    c = chunk(D, bt, PRODUCT_TILE // MIX_GROUP)
+    while c > MIN_CHUNK and (D // c) * pl.cdiv(T, bt) < TARGET_PROGRAMS:
+        c //= 2
     return c
 
 
@@ -101,23 +121,22 @@ def _partials_kernel(layer_ref, *refs, hc: int, M: int, rows: int, bt: int, ch: 
     pltr.store(h_out, hb, mask=mask)
     hf = hb.astype(F32)
 
-    if M >= DOT_ROWS and bt >= DOT_ROWS:
-        # the mixes DOT_ROWS at a time as fp32 dot products (IEEE FMAs, no TF32): a handful of
-        # dots instead of M * hc reductions across the program's warps, each of which waits
-        # on the others; a last group that would pass M starts at M - DOT_ROWS instead (its
-        # first mixes stored twice, the same values)
-        starts = list(range(0, M - DOT_ROWS + 1, DOT_ROWS))
-        if M % DOT_ROWS:
-            starts.append(M - DOT_ROWS)
-        pmask = jnp.broadcast_to(rmask[None, :], (DOT_ROWS, bt))
+    if M >= MIX_GROUP:
+        # the mixes MIX_GROUP at a time: the streams' products with fn's rows summed into one
+        # [rows, MIX_GROUP, chunk] tile, then one reduction over the chunk (one barrier per
+        # group, not one per mix and stream); a last group that would pass M starts at
+        # M - MIX_GROUP instead (its first mixes stored twice, the same values)
+        starts = list(range(0, M - MIX_GROUP + 1, MIX_GROUP))
+        if M % MIX_GROUP:
+            starts.append(M - MIX_GROUP)
+        pmask = jnp.broadcast_to(rmask[None, :], (MIX_GROUP, bt))
         for s0 in starts:
             acc = None
             for c in range(hc):
-                w = fn_ref[layer, pl.ds(s0, DOT_ROWS), np.int32(c), cols]  # [DOT_ROWS, ch]
-                part = jax.lax.dot_general(xs[c], w, (((1,), (1,)), ((), ())),
-                                           precision=HIGHEST, preferred_element_type=F32)
-                acc = part if acc is None else acc + part                 # [bt, DOT_ROWS]
-            pltr.store(p_out.at[pl.ds(s0, DOT_ROWS), :], acc.T, mask=pmask)
+                w = fn_ref[layer, pl.ds(s0, MIX_GROUP), np.int32(c), cols]   # [G, ch]
+                prod = xs[c][:, None, :] * w[None, :, :]                     # [bt, G, ch]
+                acc = prod if acc is None else acc + prod
+            pltr.store(p_out.at[pl.ds(s0, MIX_GROUP), :], jnp.sum(acc, axis=2).T, mask=pmask)
     else:
         for m in range(M):
             acc = None
@@ -219,7 +238,7 @@ def partials(streams, pre_prev, fn, *, hc: int, layer=None, interpret: bool = Fa
     T = int(np.prod(batch))
     M = (2 + hc) * hc
     bt = block_rows(T)
-    ch = chunk(D, bt)
+    ch = mix_chunk(D, T)
     n_chunks = D // ch
     n_rows = pl.cdiv(T, bt)
     row_spec = lambda k: pl.BlockSpec((bt, k), lambda i, t: (t, 0))  # noqa: E731
@@ -246,7 +265,7 @@ def partials(streams, pre_prev, fn, *, hc: int, layer=None, interpret: bool = Fa
                           with_post=with_post),
         grid=(n_chunks, n_rows), in_specs=[pl.BlockSpec()] + in_specs, out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltr.CompilerParams(num_warps=PARTIALS_WARPS, num_stages=1),
         interpret=interpret, name="mhc_glue_partials",
     )(at, *ins)
 
@@ -261,7 +280,7 @@ def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, i
     T = int(np.prod(batch))
     M = (2 + hc) * hc
     bt = block_rows(T)
-    n_chunks, n_rows = D // chunk(D, bt), pl.cdiv(T, bt)
+    n_chunks, n_rows = D // mix_chunk(D, T), pl.cdiv(T, bt)
     outs = partials(streams, pre_prev, fn, hc=hc, layer=layer, interpret=interpret)
     X = outs[0].reshape(x.shape) if isinstance(streams, tuple) else x
     h, parts = outs[-2:]
@@ -284,7 +303,7 @@ def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, i
         out_shape=[jax.ShapeDtypeStruct((T, D), BF16), jax.ShapeDtypeStruct((T, hc), F32),
                    jax.ShapeDtypeStruct((T, hc), F32),
                    jax.ShapeDtypeStruct((T, hc * hc), F32)],
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltr.CompilerParams(num_warps=FINISH_WARPS, num_stages=1),
         interpret=interpret, name="mhc_glue_finish",
     )(at, parts, h, *[_stack(a, layer)[0] for a in (norm_weight, scale, base)])
     return (X, x_in.reshape(*batch, D), pre.reshape(*batch, hc), post.reshape(*batch, hc),
