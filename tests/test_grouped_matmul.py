@@ -217,7 +217,7 @@ def test_few_pairs_on_the_kernel(tokens):
     stored = {k: {"fp4": c[layer], "scale": s[layer]} for k, (c, s) in stacks.items()}
     kernel = {k: {**jax.vmap(gm.prepare_experts)(c, s), "at": jnp.int32(layer)}
               for k, (c, s) in stacks.items()}
-    assert moe_layer.gathered(tokens * 2, E)
+    assert moe_layer.gathered(tokens, 2, E)
     want = np.asarray(moe_layer._routed_sum(x, stored, idx, w, E, "routed", 10.0))
     calls = []
     real = gm.padded_matmul
@@ -289,15 +289,15 @@ def test_model_kernel_form(kernel_cfg_params):
 def test_model_decode_lowers_with_kernel(kernel_cfg_params):
     """A decode step with the routed MoE on kernel-form experts, built for an H200: the
     grouped matmul kernel inside the scanned groups, reading the stacks in place (a batch
-    whose pairs reach ``max(E, GATHERED_PAIRS)``: below it the gathered path runs, no
-    kernel)."""
+    past :func:`moe.gathered`'s bound: within it the gathered path runs, no kernel)."""
     from dsv41_jax.layers import moe as moe_layer
     from gpu_export_util import h200_export
     cfg, params = kernel_cfg_params
     kernel = model.prepare_params(params, cfg, experts="kernel")
     k = cfg.n_activated_experts
-    big = -(-max(cfg.n_routed_experts, moe_layer.GATHERED_PAIRS) // k)
-    small = (max(cfg.n_routed_experts, moe_layer.GATHERED_PAIRS) - 1) // k
+    small = max(b for b in range(1, 65) if moe_layer.gathered(b, k, cfg.n_routed_experts))
+    big = small + 1
+    assert not moe_layer.gathered(big, k, cfg.n_routed_experts)
     counts = {}
     for batch in (1, small, big):
         s = st.init_state(cfg, batch, 32)

@@ -106,8 +106,16 @@ def test_prefill_and_decode_routed_equal_dense():
 
 def test_gathered_path_rule():
     """Few pairs run gathered: below the expert count, and below 64 pairs where experts are
-    few (a verify of up to 6 positions at the mid config's 16 experts, top-6)."""
-    assert moe_layer.gathered(36, 16) and moe_layer.gathered(63, 16)
-    assert not moe_layer.gathered(64, 16) and not moe_layer.gathered(80, 4)
-    assert moe_layer.gathered(383, 384) and not moe_layer.gathered(384, 384)
-    assert moe_layer.GATHERED_PAIRS == 64
+    few; for the routed path also only while few experts are expected to be read twice (at the
+    mid config's 16 experts, top-6, up to 6 tokens; at the release's 384, up to 24)."""
+    gathered, rereads = moe_layer.gathered, moe_layer.expected_rereads
+    assert gathered(6, 6, 16, "dense") and gathered(10, 6, 16, "dense")
+    assert not gathered(11, 6, 16, "dense") and not gathered(20, 4, 4, "dense")
+    assert gathered(63, 6, 384, "dense") and not gathered(64, 6, 384, "dense")
+    assert rereads(1, 6, 16) == 0.0 and rereads(1, 6, 384) == 0.0
+    np.testing.assert_allclose(rereads(3, 6, 16), 18 - 16 * (1 - (10 / 16) ** 3))
+    np.testing.assert_allclose(rereads(8, 6, 16), 32.3727, rtol=1e-5)
+    assert [b for b in range(1, 12) if gathered(b, 6, 16, "routed")] == [1, 2, 3, 4, 5, 6]
+    assert [b for b in range(1, 64) if gathered(b, 6, 384, "routed")] == list(range(1, 25))
+    assert gathered(24, 6, 384) and not gathered(25, 6, 384)
+    assert moe_layer.GATHERED_PAIRS == 64 and moe_layer.GATHERED_REREADS == 24.0

@@ -63,6 +63,7 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
                ("pallas_kernels.mhc.triton", "PARTIALS_WARPS"): 1,
                ("pallas_kernels.mhc.triton", "FINISH_WARPS"): 1},
     "routed16": {("dsv41_jax.layers.moe", "GATHERED_PAIRS"): 16},
+    "gather_all": {("dsv41_jax.layers.moe", "GATHERED_REREADS"): float("inf")},
     "pairs_kernel": {("dsv41_jax.layers.moe", "GATHERED_ON_KERNEL"): True},
 }
 
@@ -128,7 +129,8 @@ def build_parser() -> Parser:
                          "the defaults") for name, sw in VARIANTS.items())
     ap = Parser(prog="decode_ab", description=__doc__.split("\n\n")[0], epilog=epilog,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="mid", choices=("mid", "release-fit", "tiny"),
+    ap.add_argument("--config", default="mid",
+                    choices=("mid", "release-fit", "release-384", "tiny"),
                     help="the config (default mid)")
     ap.add_argument("--tiny", action="store_true",
                     help="the tiny config (CPU smoke test; overrides --config)")

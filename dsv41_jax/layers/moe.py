@@ -195,13 +195,21 @@ def _pair_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
 
 
 MOE_IMPLS = ("auto", "dense", "routed")
-#: Calls of fewer (token, expert) pairs than ``max(E, GATHERED_PAIRS)`` run the gathered path
-#: (:func:`gathered`). The floor matters for configs with few experts (the mid benchmark's 16):
-#: there a verify of 3-6 positions (18-36 pairs) went through the grouped matmul, whose layout
-#: steps cost some 2,500 small launches a step (on the H200, a verify of 3 positions 22.5 ms
-#: against 16.6 ms for 2 gathered positions), where gathering 64 experts' FP4 weights per
-#: layer reads about 0.1 GB.
+#: Calls of fewer (token, expert) pairs than ``max(E, GATHERED_PAIRS)`` may run the gathered
+#: path (:func:`gathered`); the floor keeps the few-token calls of configs with few experts
+#: (the mid benchmark's 16, a CPU's dense path) off the dense scan over every expert.
 GATHERED_PAIRS = 64
+
+#: The routed path's bound on the gathered path (:func:`gathered`): the expected number of
+#: expert weight reads beyond one per routed expert (:func:`expected_rereads`). The gathered path
+#: reads one expert's weights per (token, expert) pair, so an expert that two tokens share is
+#: read twice; the grouped matmul reads each routed expert once but lays the pairs out in some
+#: ten more launches per layer. Timed on an H100 (mid config: 16 experts, top-6; 4K context;
+#: synced ms per step, gathered against grouped): batch 3 (5.9 expected rereads) 12.1 against
+#: 14.3, batch 5 (15.5) 12.7 against 13.8, batch 8 (32.4) 17.5 against 15.9. The bound sits
+#: between the last two: up to 6 tokens gathered there, up to 24 at the release's 384 experts
+#: (not yet timed: the release experts' random weights do not fit an H100's decode A/B).
+GATHERED_REREADS = 24.0
 
 
 #: Whether a few-pairs call (:func:`gathered`) with kernel-form experts on a GPU runs the
@@ -213,11 +221,23 @@ GATHERED_PAIRS = 64
 GATHERED_ON_KERNEL = False
 
 
-def gathered(n_pairs: int, n_exp: int) -> bool:
-    """Whether a call routing ``n_pairs`` (token, expert) pairs over ``n_exp`` experts runs
-    the gathered path (each token its ``k`` experts, their packed weights gathered): fewer
-    pairs than ``max(n_exp, GATHERED_PAIRS)``."""
-    return n_pairs < max(n_exp, GATHERED_PAIRS)
+def expected_rereads(n_tokens: int, k: int, n_exp: int) -> float:
+    """Expected expert weight reads of the gathered path beyond one per routed expert, for
+    ``n_tokens`` tokens each routed to ``k`` distinct of ``n_exp`` experts uniformly: ``n_tokens
+    * k - n_exp * (1 - (1 - k / n_exp) ** n_tokens)`` (the second term: the expected number of
+    distinct experts routed). 0 for one token."""
+    return n_tokens * k - n_exp * (1.0 - (1.0 - k / n_exp) ** n_tokens)
+
+
+def gathered(n_tokens: int, k: int, n_exp: int, impl: str = "routed") -> bool:
+    """Whether ``n_tokens`` tokens routed to ``k`` of ``n_exp`` experts run the gathered path
+    (each token its ``k`` experts, their packed weights gathered): fewer (token, expert) pairs
+    than ``max(n_exp, GATHERED_PAIRS)`` and, where the alternative is the grouped matmul
+    (``impl == "routed"``), fewer than :data:`GATHERED_REREADS` expected rereads
+    (:func:`expected_rereads`)."""
+    if n_tokens * k >= max(n_exp, GATHERED_PAIRS):
+        return False
+    return impl != "routed" or expected_rereads(n_tokens, k, n_exp) < GATHERED_REREADS
 
 
 def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
@@ -226,7 +246,8 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
     """MoE sublayer on flattened tokens: ``(bf16 output, expert ids, routing weights)``.
 
     When the tokens route to few (token, expert) pairs (:func:`gathered`: ``N * k <
-    max(E, GATHERED_PAIRS)``, e.g. a decode step of a small batch or a verify), each token runs
+    max(E, GATHERED_PAIRS)`` and, for ``"routed"``, few experts shared; e.g. a decode step of
+    a small batch or a verify), each token runs
     only its ``k`` experts, their packed weights gathered; otherwise ``impl`` decides:
     ``"dense"`` runs the routed experts densely over the stacked expert axis (a ``lax.scan``
     in increasing expert id, non-routed tokens carry weight 0 and contribute an exact 0),
@@ -265,15 +286,14 @@ def _routed_sum(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
     then indexes the slice, tokens of other experts carrying weight 0); the path is chosen by
     ``n_exp``, as on one device."""
     k = idx.shape[1]
-    if (impl == "routed" and grouped_matmul.is_kernel_form(experts["w1"])
-            and not gathered(x.shape[0] * k, n_exp)):
+    few = gathered(x.shape[0], k, n_exp, impl)
+    if impl == "routed" and grouped_matmul.is_kernel_form(experts["w1"]) and not few:
         # the stacks handed on whole: the grouped matmul reads them in place
         return _grouped_experts(x, experts, idx, w, limit)
-    if (gathered(x.shape[0] * k, n_exp) and GATHERED_ON_KERNEL
-            and grouped_matmul.uses_kernel(experts["w1"])):
+    if few and GATHERED_ON_KERNEL and grouped_matmul.uses_kernel(experts["w1"]):
         return _pair_experts(x, experts, idx, w, limit)
     experts = {name: grouped_matmul.in_layer(v) for name, v in experts.items()}
-    if gathered(x.shape[0] * k, n_exp):
+    if few:
         return _routed_experts(x, experts, idx, w, limit)
     if impl == "routed":
         return _grouped_experts(x, experts, idx, w, limit)
