@@ -120,9 +120,26 @@ def _slow_rank(item) -> int:
     return next((i for i, p in enumerate(SLOW_FIRST) if name.startswith(p)), len(SLOW_FIRST))
 
 
+@pytest.hookimpl(tryfirst=True)    # before pytest-xdist's, which reads the groups' markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
         parity_dir = _slow_rank(item) == 0
         item.add_marker(pytest.mark.xdist_group(
             item.nodeid if parity_dir else item.nodeid.split("::")[0]))
     items.sort(key=_slow_rank)   # stable: the rest keep their order
+
+
+@pytest.hookimpl(optionalhook=True)         # a pytest-xdist hook: the controller's side
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``--dist loadgroup`` every test must carry its group to pytest-xdist (the node ids
+    a worker collects end in ``@group``). Where a pytest / pytest-xdist pair drops the marks
+    (pytest 9.2 with pytest-xdist 3.8), each test becomes its own unit: module fixtures are
+    rebuilt and programs compiled again test by test, and the suite runs at about half its
+    speed, silently. So that stops the run instead."""
+    if node.config.getoption("dist", None) != "loadgroup":
+        return
+    lost = [i for i in ids if "@" not in i]
+    if lost:
+        pytest.exit(f"--dist loadgroup: {len(lost)} of {len(ids)} tests lost their xdist_group "
+                    f"(first: {lost[0]}); this pytest / pytest-xdist pair does not pass the "
+                    f"groups on (constraints.txt)", returncode=3)
