@@ -97,15 +97,19 @@ def _release_compiled_programs():
                       f"programs", RuntimeWarning, stacklevel=1)
 
 
-# -- two workers (scripts/test.sh: pytest-xdist, --dist loadgroup) ---------------------------
-# A test module's tests share compiled functions and session fixtures, so each module runs on
-# one worker (its own group), except the fixture-parity directories (3-4.5 min each, half the
-# suite), which are a group each. The longest groups are collected first, so the two workers
-# finish close together instead of one starting a fixture directory near the end.
-SLOW_FIRST = ("test_parity.py::test_fixture_dir", "test_sparse_attention.py::test_model_with",
-              "test_sharding.py::test_sharded_in_subprocess",
-              "test_multihost.py::test_two_processes_generate_the_tokens_of_one",
-              "test_notebooks.py::test_csa2_modes_notebook")
+# -- two workers (scripts/test.sh: pytest-xdist, --dist loadgroup --no-loadscope-reorder) -----
+# A test module's tests share compiled functions and module fixtures, so each module runs on
+# one worker (its own group), except the fixture-parity directories (1.5-2 min each), which are
+# a group each. Groups go to the workers in collection order (--no-loadscope-reorder: by
+# default pytest-xdist sends the groups with the most tests first, which left the one-test
+# parity directories for the end), and the longest groups are collected first, longest to
+# shortest (about, on 2 CPU cores), so the two workers finish close together.
+SLOW_FIRST = ("test_sharding.py::", "test_draft_training.py::", "test_layer_groups.py::",
+              "test_notebooks.py::", "test_invariants.py::", "test_sparse_attention.py::",
+              "test_generate.py::", "test_demo_checkpoint.py::", "test_cases.py::",
+              "test_parity.py::test_fixture_dir", "test_grouped_matmul.py::", "test_dspark.py::",
+              "test_bench_e2e.py::", "test_training.py::", "test_multihost.py::")
+PARITY_DIR = "test_parity.py::test_fixture_dir"
 
 
 def pytest_configure(config):
@@ -123,7 +127,7 @@ def _slow_rank(item) -> int:
 @pytest.hookimpl(tryfirst=True)    # before pytest-xdist's, which reads the groups' markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        parity_dir = _slow_rank(item) == 0
+        parity_dir = item.nodeid.split("/")[-1].startswith(PARITY_DIR)
         item.add_marker(pytest.mark.xdist_group(
             item.nodeid if parity_dir else item.nodeid.split("::")[0]))
     items.sort(key=_slow_rank)   # stable: the rest keep their order
