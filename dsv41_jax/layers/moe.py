@@ -208,7 +208,7 @@ GATHERED_PAIRS = 64
 #: synced ms per step, gathered against grouped): batch 3 (5.9 expected rereads) 12.1 against
 #: 14.3, batch 5 (15.5) 12.7 against 13.8, batch 8 (32.4) 17.5 against 15.9. The bound sits
 #: between the last two: up to 6 tokens gathered there, up to 24 at the release's 384 experts
-#: (not yet timed: the release experts' random weights do not fit an H100's decode A/B).
+#: (not yet timed: the release-384 decode step at batch 32 ran out of memory on an H100).
 GATHERED_REREADS = 24.0
 
 
