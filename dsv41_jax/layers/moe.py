@@ -247,8 +247,8 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
 
     When the tokens route to few (token, expert) pairs (:func:`gathered`: ``N * k <
     max(E, GATHERED_PAIRS)`` and, for ``"routed"``, few experts shared; e.g. a decode step of
-    a small batch or a verify), each token runs
-    only its ``k`` experts, their packed weights gathered; otherwise ``impl`` decides:
+    a small batch or a verify), each token runs only its ``k`` experts, their packed weights
+    gathered; otherwise ``impl`` decides:
     ``"dense"`` runs the routed experts densely over the stacked expert axis (a ``lax.scan``
     in increasing expert id, non-routed tokens carry weight 0 and contribute an exact 0),
     ``"routed"`` runs grouped matmuls over the (token, expert) pairs only
