@@ -832,7 +832,8 @@ def _compile_child(spec: dict) -> dict:
     how = enable_cache(spec["cache_dir"])
     cfg, _ = bench_config.e2e_config(spec["config"])
     t0 = time.perf_counter()
-    params = model.prepare_params(random_weights.random_params_device(cfg, spec["seed"]), cfg)
+    params = model.prepare_params(random_weights.random_params_device(cfg, spec["seed"]), cfg,
+                                  donate=True)
     jax.block_until_ready(params)
     params_s = time.perf_counter() - t0
     n, cap = spec["length"], spec["length"] + spec["headroom"]
@@ -1271,7 +1272,7 @@ def benchmark(args) -> dict:
         jax.block_until_ready(params)
         results["params_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        params = model.prepare_params(params, cfg)
+        params = model.prepare_params(params, cfg, donate=True)
         if args.device_mesh is not None:
             params = sharding.shard_params(params, cfg, args.device_mesh, engram=args.engram,
                                            reshard=True)

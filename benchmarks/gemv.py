@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     cfg, _ = e2e_config(args.config)
     gpu = jax.default_backend() in ("gpu", "cuda")
     impl = "gpu" if gpu else "gpu_interpret"
-    params = model.prepare_params(random_params_device(cfg, 0), cfg, linears="stored")
+    params = model.prepare_params(random_params_device(cfg, 0), cfg, linears="stored",
+                                  donate=True)
     entries = decode_calls(cfg, params, args.batch, gpu=True)
     if not entries:
         raise SystemExit("benchmarks.gemv: the decode step makes no GEMV call at this config")

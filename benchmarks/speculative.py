@@ -118,7 +118,7 @@ def run(args) -> dict:
         args.context = min(args.context, 64)
     mesh = make_mesh(args.mesh)
     params = model.prepare_params(random_weights.random_params_device(cfg, args.seed, mesh=mesh),
-                                  cfg)
+                                  cfg, donate=True)
     if mesh is not None:
         params = sharding.shard_params(params, cfg, mesh, reshard=True)
     fill_args = SimpleNamespace(headroom=args.steps * 8 + 64, fill=args.fill, chunk=None,

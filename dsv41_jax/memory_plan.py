@@ -186,30 +186,75 @@ def mesh_weight_bytes(cfg, mesh: dict, engram: str, shapes=None) -> dict[str, in
     ``"device"`` replicated, ``"sharded"`` rows over every device (padded to a multiple of the
     device count, as ``shard_params(..., engram="sharded")`` does), ``"host"`` 0. Vision
     tensors are replicated. ``shapes``: :func:`param_shapes` of ``cfg`` when already made."""
-    import re
-
     from dsv41_jax import checkpoint, sharding
     amesh = jax.sharding.AbstractMesh(tuple(mesh[a] for a in sharding.MESH_AXES),
                                       sharding.MESH_AXES)
     n_dev = math.prod(mesh.values())
     out = dict.fromkeys(WEIGHT_KINDS, 0)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes or param_shapes(cfg)):
-        p = jax.tree_util.keystr(path, simple=True, separator="/")
-        kind = weight_kind(p)
-        shape = tuple(leaf.shape)
-        if kind == "engram_tables":
-            row = _nbytes(shape[1:], leaf.dtype)
-            out[kind] += {"device": shape[0] * row, "sharded": -(-shape[0] // n_dev) * row,
-                          "host": 0}[engram]
-            continue
-        logical = sharding.param_logical_axes(re.sub(r"^layers/\d+/", "", p), len(shape))
-        spec = sharding.spec_for(logical, shape, amesh)
-        split = math.prod(math.prod(mesh[a] for a in (ax if isinstance(ax, tuple) else (ax,)))
-                          for ax in spec if ax is not None)
-        out[kind] += _nbytes(shape, leaf.dtype) // split
+    for p, kind, shape, dtype in _leaves(shapes or param_shapes(cfg)):
+        out[kind] += _mesh_leaf_bytes(p, kind, shape, dtype, mesh, amesh, n_dev, engram)
     for shape, dtypes in checkpoint.expected_vision_tensors(cfg).values():
         out["vision"] += _nbytes(shape, dtypes[0])
     return out
+
+
+def _leaves(shapes):
+    """``(path, kind, shape, dtype)`` of every parameter of :func:`param_shapes`' tree."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
+        p = jax.tree_util.keystr(path, simple=True, separator="/")
+        yield p, weight_kind(p), tuple(leaf.shape), leaf.dtype
+
+
+def _mesh_leaf_bytes(p: str, kind: str, shape: tuple, dtype, mesh: dict, amesh, n_dev: int,
+                     engram: str) -> int:
+    """Bytes per device of one parameter on a mesh (:func:`mesh_weight_bytes`' rule)."""
+    import re
+
+    from dsv41_jax import sharding
+    if kind == "engram_tables":
+        row = _nbytes(shape[1:], dtype)
+        return {"device": shape[0] * row, "sharded": -(-shape[0] // n_dev) * row,
+                "host": 0}[engram]
+    logical = sharding.param_logical_axes(re.sub(r"^layers/\d+/", "", p), len(shape))
+    spec = sharding.spec_for(logical, shape, amesh)
+    split = math.prod(math.prod(mesh[a] for a in (ax if isinstance(ax, tuple) else (ax,)))
+                      for ax in spec if ax is not None)
+    return _nbytes(shape, dtype) // split
+
+
+def _largest_layer_tables(shapes) -> int:
+    """Bytes of the largest layer's Engram tables (0 without Engram)."""
+    per_layer: dict[str, int] = {}
+    for p, kind, shape, dtype in _leaves(shapes):
+        if kind == "engram_tables":
+            layer = p.split("/")[1]
+            per_layer[layer] = per_layer.get(layer, 0) + _nbytes(shape, dtype)
+    return max(per_layer.values(), default=0)
+
+
+def largest_layer_bytes(cfg, *, devices: int = 1, engram: str = "device",
+                        mesh: dict | None = None, shapes=None) -> int:
+    """Bytes per device of the largest layer's parameters, split as :func:`plan` splits the
+    weights (``mesh``: by the sharding table, else :func:`device_share`): what
+    ``prepare_params(..., donate=True)`` holds twice at most while it converts one layer."""
+    from dsv41_jax import sharding
+    per_layer: dict[int, int] = {}
+    amesh = n_dev = None
+    if mesh is not None:
+        amesh = jax.sharding.AbstractMesh(tuple(mesh[a] for a in sharding.MESH_AXES),
+                                          sharding.MESH_AXES)
+        n_dev = math.prod(mesh.values())
+    for p, kind, shape, dtype in _leaves(shapes or param_shapes(cfg)):
+        if not p.startswith("layers/"):
+            continue
+        if mesh is None:
+            b = math.ceil(_nbytes(shape, dtype) * device_share(
+                kind, devices=devices, engram=engram, n_routed_experts=cfg.n_routed_experts))
+        else:
+            b = _mesh_leaf_bytes(p, kind, shape, dtype, mesh, amesh, n_dev, engram)
+        layer = int(p.split("/")[1])
+        per_layer[layer] = per_layer.get(layer, 0) + b
+    return max(per_layer.values(), default=0)
 
 
 def rows_per_device(batch: int, devices: int) -> int:
@@ -256,8 +301,9 @@ def assumptions(cfg, devices: int, engram: str) -> list[str]:
         "weights as the loader places them (stored FP8 / FP4 forms, wo_a in bf16, head and "
         "ratio-2 compressors in fp32): prepare_params(linears='stored'), the GPU default, keeps "
         "them; on a CPU ('bf16') the FP8 linears are dequantised, about twice their bytes",
-        "load peak: prepare_params stacks the layers into scanned groups (new arrays) while the "
-        "loaded tree is alive, so the layers' weights are briefly held twice",
+        "load peak: the loaders' prepare_params(..., donate=True) converts one layer and stacks "
+        "the scanned groups while deleting what it has used, so the weights plus the largest "
+        "layer once more",
         "activations: a rough estimate of one prefill chunk's largest intermediates "
         "(activation_bytes); XLA's workspace, fragmentation and compiled-program buffers are not "
         "counted: keep headroom",
@@ -331,18 +377,18 @@ def plan(cfg, *, batch: int, context: int, devices: int = 1, engram: str = "devi
     state_dev = sum(state_bytes(cfg, rows, context).values())
     acts = activation_bytes(cfg, rows, min(chunk, context), context)
     per_dev_weights = sum(per_dev.values())
-    layer_share = per_dev_weights - per_dev["embed_head"] - per_dev["vision"]
     per_dev.update(weights=per_dev_weights, state=state_dev, activations=acts["total"])
     per_dev["total"] = per_dev_weights + state_dev + acts["total"]
-    # the layers' weights (everything under layers/, including Engram tables on the device)
-    # twice while prepare_params stacks them, before the state exists
-    per_dev["load_peak"] = per_dev_weights + layer_share
+    # prepare_params(..., donate=True) holds the largest layer twice at most, before the state
+    # exists
+    per_dev["load_peak"] = per_dev_weights + largest_layer_bytes(
+        cfg, devices=devices, engram=engram, mesh=mesh, shapes=shapes)
     limit = device_gb * GB
     name, largest = largest_placed_tensor(cfg)
     block = min(largest, checkpoint.BLOCK_BYTES)
     host = {"Engram tables": weights["engram_tables"] if engram == "host" else 0,
-            "load: the Engram tables again while prepare_params stacks them": (
-                weights["engram_tables"] if engram == "host" else 0),
+            "load: one layer's Engram tables again while prepare_params stacks them": (
+                _largest_layer_tables(shapes) if engram == "host" else 0),
             "streamed load: one block (min(largest tensor, 1 GiB)) x 3": 3 * block}
     return {
         "config": config_name, "batch": batch, "context": context, "chunk": min(chunk, context),

@@ -156,7 +156,8 @@ def _prepare_layer(lp: dict, linears: str, experts: str) -> dict:
     return walk(lp)
 
 
-def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str = "auto"):
+def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str = "auto",
+                   *, donate: bool = False):
     """The parameters in the form the compiled steps read fastest, prepared once at load time
     (docs/architecture.md, "Scanned layer groups" and "Quantised linears").
 
@@ -191,6 +192,13 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
       that kernel, a decode step streaming only the selected experts' weights. ``"stored"``:
       as ``linears`` says. ``"auto"``: ``"kernel"`` on an NVIDIA GPU, ``"stored"`` elsewhere.
 
+    * ``donate``: the raw tree's device arrays are deleted as they are used, and each layer's
+      prepared arrays once they are stacked, so the peak is the prepared tree plus about one
+      layer (docs/architecture.md, "Loading at full size"); without it the raw and the prepared
+      trees are both held, which a model of more than half a GPU's memory does not survive
+      (the release dimensions with 384 experts: 45 + 46 GiB). The raw tree is unusable
+      afterwards (arrays shared with the prepared tree are kept).
+
     Raises ``ValueError`` for a ``linears`` not in :data:`LINEAR_FORMS` or ``experts`` not in
     :data:`EXPERT_FORMS`.
     """
@@ -205,26 +213,61 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
     if experts == "auto":
         experts = "kernel" if on_gpu() else "stored"
     plan = LayerPlan.from_config(cfg)
-    layers = [_prepare_layer(lp, linears, experts) for lp in params["layers"]]
+    raw = params["layers"]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    # arrays never deleted: those outside the layers and any a layer shares with another
+    seen: set[int] = set()
+    keep = {id(a) for k, v in out.items() if k != "dspark" for a in jax.tree.leaves(v)}
+    for lp in raw:
+        ids = {id(a) for a in jax.tree.leaves(lp)}
+        keep |= ids & seen
+        seen |= ids
+
+    def prepared(i: int) -> dict:
+        lp = _prepare_layer(raw[i], linears, experts)
+        if donate:
+            _release(raw[i], keep | {id(a) for a in jax.tree.leaves(lp)})
+        return lp
+
+    def stack(shape, *arrays):
+        y = _stack_layers(arrays, shape)
+        if donate:
+            _release(arrays, keep)
+        return y
+
     groups = []
     for g in plan.groups:
         runs = []
         for start, length in g.runs:
-            runs.append(jax.tree.map(
-                lambda *a: _stack_layers(a, (len(g.units), length)),
-                *[layers[u[start + j]] for u in g.units for j in range(length)]))
+            members = [prepared(u[start + j]) for u in g.units for j in range(length)]
+            runs.append(jax.tree.map(functools.partial(stack, (len(g.units), length)),
+                                     *members))
+            del members
         groups.append(tuple(runs))
-    out = {k: v for k, v in params.items() if k != "layers"}
     out["layer_groups"] = tuple(groups)
     if linears == "stored" and "head" in out:
-        out["head"] = {**out["head"], "weight": _bf16_if_exact(out["head"]["weight"])}
+        head = out["head"]["weight"]
+        out["head"] = {**out["head"], "weight": _bf16_if_exact(head)}
+        if donate and out["head"]["weight"] is not head:
+            _release(head, set())
     if "dspark" in params:
         ds = params["dspark"]
         out["dspark"] = {**_prepare_layer({k: v for k, v in ds.items() if k != "stages"},
                                           linears, experts),
                          "stages": tuple(_prepare_layer(lp, linears, experts)
                                          for lp in ds["stages"])}
+        if donate:
+            _release(ds, keep | {id(a) for a in jax.tree.leaves(out["dspark"])})
     return out
+
+
+def _release(tree, keep: set[int]):
+    """Delete the device arrays of ``tree`` whose ``id`` is not in ``keep`` (a computation
+    already queued on one still completes; tracers and host arrays are left alone)."""
+    for a in jax.tree.leaves(tree):
+        if (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+                and id(a) not in keep and not a.is_deleted()):
+            a.delete()
 
 
 def _stack_layers(arrays, shape):
@@ -232,13 +275,19 @@ def _stack_layers(arrays, shape):
     Arrays in host memory (Engram tables loaded with ``engram="host"``) are stacked on the
     host (``compute_on("device_host")``), the result in host memory: the tables never pass
     through the device's memory (the host holds them twice while stacking)."""
-    def stack(*a):
-        return jnp.stack(a).reshape(*shape, *a[0].shape)
     if not all(checkpoint.in_host_memory(a) for a in arrays):
-        return stack(*arrays)
+        return _stacked(tuple(shape), *arrays)
     host = jax.memory.Space.Host
+    stack = functools.partial(_stacked.__wrapped__, tuple(shape))
     return jax.jit(lambda *a: compute_on(compute_type="device_host",
                                          out_memory_spaces=host)(stack)(*a))(*arrays)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _stacked(shape: tuple[int, ...], *arrays):
+    """``arrays`` stacked into leading axes ``shape``, one program (run op by op, the reshape
+    would copy the stack once more)."""
+    return jnp.stack(arrays).reshape(*shape, *arrays[0].shape)
 
 
 def layer_params(prepared, cfg: ModelConfig, layer: int) -> dict:

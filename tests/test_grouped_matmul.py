@@ -269,12 +269,18 @@ def test_model_kernel_form(kernel_cfg_params):
     """``prepare_params(..., experts="kernel")``: the routed experts in the kernel form, read
     in place out of the scanned stacks (units and Reuse runs both above 1); a decode step
     with the routed MoE equals the stored form's bit for bit (the XLA path on CPU: the same
-    values dequantised)."""
+    values dequantised). Prepared with ``donate=True``, the same tree bit for bit, the raw
+    experts deleted."""
     cfg, params = kernel_cfg_params
     stored = model.prepare_params(params, cfg)
     kernel = model.prepare_params(params, cfg, experts="kernel")
     leaves = jax.tree_util.tree_leaves_with_path(kernel)
     assert any("i4" in jax.tree_util.keystr(p) for p, _ in leaves)
+    raw = random_params_device(cfg, 0)
+    donated = model.prepare_params(raw, cfg, experts="kernel", donate=True)
+    assert all(a.is_deleted() for a in jax.tree.leaves(raw["layers"][0]["ffn"]["experts"]))
+    for (p, a), b in zip(leaves, jax.tree.leaves(donated)):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes(), p
     toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
     out, state0 = model.prefill(stored, cfg, toks, st.init_state(cfg, 2, 20))
     tok = jnp.asarray(np.asarray(out.logits).argmax(-1).astype(np.int32))

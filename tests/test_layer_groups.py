@@ -75,6 +75,44 @@ def test_prepare_params_layer_roundtrip(small):
         model.layer_params(prep, cfg, 8)
 
 
+@pytest.mark.parametrize("linears", ["bf16", "stored"])
+def test_prepare_params_donated(small, linears):
+    """``donate=True``: the same prepared tree, bit for bit, and the raw tree's layer arrays
+    deleted, and the fp32 head where a bf16 copy replaces it, but for those outside the layers
+    (the embedding) and one two layers share; nothing of the prepared tree is deleted."""
+    from dsv41_jax.random_weights import random_params_device
+    cfg, _, _ = small
+    want = model.prepare_params(random_params_device(cfg, 0), cfg, linears)
+    raw = random_params_device(cfg, 0)
+    shared = raw["layers"][0]["attn_norm"]["weight"]
+    raw["layers"][1]["attn_norm"]["weight"] = shared       # one array in two layers
+    want_norm1 = model.layer_params(want, cfg, 1)["attn_norm"]["weight"]
+    got = model.prepare_params(raw, cfg, linears, donate=True)
+    prepared = {id(a) for a in jax.tree.leaves(got)}
+    for a in jax.tree.leaves(got):
+        assert not a.is_deleted()
+    n_deleted = 0
+    for path, a in jax.tree_util.tree_flatten_with_path(raw)[0]:
+        where = jax.tree_util.keystr(path)
+        kept = (a is shared or id(a) in prepared
+                or (not where.startswith("['layers']") and where != "['head']['weight']"))
+        assert a.is_deleted() != kept, where
+        n_deleted += a.is_deleted()
+    assert n_deleted > 10 * cfg.n_layers
+    norm1 = model.layer_params(got, cfg, 1)["attn_norm"]["weight"]
+    np.testing.assert_array_equal(np.asarray(norm1), np.asarray(shared))
+    assert not np.array_equal(np.asarray(want_norm1), np.asarray(shared))
+    for i in (0, 2, cfg.n_layers - 1):
+        for a, b in zip(jax.tree.leaves(model.layer_params(got, cfg, i)),
+                        jax.tree.leaves(model.layer_params(want, cfg, i))):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
+                                          np.asarray(b).view(np.uint8))
+    for a, b in zip(jax.tree.leaves({k: v for k, v in got.items() if k != "layer_groups"}),
+                    jax.tree.leaves({k: v for k, v in want.items() if k != "layer_groups"})):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 @pytest.mark.parametrize("lengths", [(21, 9), (14,)])
 def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
     """A decode step on the attention kernels (interpret mode) writes each layer's new window
@@ -96,11 +134,14 @@ def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
     tokens = rng.integers(0, cfg.vocab_size, (B, 21)).astype(np.int32)
     lengths = np.array(lengths)
 
+    # one prefill for both (the switch acts in decode steps only); each run decodes a copy
+    out, prefilled = model.prefill(params, cfg, tokens, st.init_state(cfg, B, 64), lengths,
+                                   attn_impl="gpu_interpret")
+
     def run(impl, in_place):
         monkeypatch.setattr(attention, "RING_IN_PLACE", in_place)
         jax.clear_caches()        # the switch is read when the step is traced
-        state = st.init_state(cfg, B, 64)
-        out, state = model.prefill(params, cfg, tokens, state, lengths, attn_impl=impl)
+        state = jax.tree.map(jnp.copy, prefilled)
         logits = [np.asarray(out.logits)]
         for _ in range(steps):
             lg, state = model.decode_step(params, cfg, state, logits[-1].argmax(-1),

@@ -87,6 +87,15 @@ def test_flash_hand_count(flash):
     assert host["rows_per_device"] == 8                             # batch < devices: all rows
     assert host["per_device"]["state"] == sum(s.values())
     assert host["fits"] and host["load_fits"]
+    # at load, the weights and the largest layer once more (prepare_params(..., donate=True)):
+    # a layer with Engram's larger table and its 48 experts (24 with the tables on the host)
+    table = 384016682 * (256 + 8)
+    big = pd["load_peak"] - pd["weights"]
+    assert table + per_layer_experts // 8 < big < table + per_layer_experts // 8 + 2e9
+    big_host = host["per_device"]["load_peak"] - host["per_device"]["weights"]
+    assert per_layer_experts // 16 < big_host < per_layer_experts // 16 + 2e9
+    assert host["host"]["load: one layer's Engram tables again while prepare_params stacks "
+                        "them"] == table
     sharded = mp.plan(flash, batch=8, context=131072, devices=8, engram="sharded")
     assert sharded["per_device"]["engram_tables"] == math.ceil(w["engram_tables"] / 8)
     assert p["largest_placed_tensor"]["bytes"] == 384006168 * 256 or \

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         return int(e.code or 2)
     args.row_args.device_mesh = None
     cfg = args.row_args.cfg
-    params = model.prepare_params(random_params_device(cfg, args.seed), cfg)
+    params = model.prepare_params(random_params_device(cfg, args.seed), cfg, donate=True)
     dev = jax.devices()[0]
     res = {"config": args.config, "batch": args.batch, "context": args.context,
            "steps": args.steps, "seed": args.seed, "device": dev.device_kind,

@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     if args.cache_dir:
         compile_cache.enable(args.cache_dir)
     t0 = time.perf_counter()
-    params = model.prepare_params(random_params_device(cfg, 0), cfg)
+    params = model.prepare_params(random_params_device(cfg, 0), cfg, donate=True)
     jax.block_until_ready(params)
     res = {"device": str(jax.devices()[0].device_kind), "config": name,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "params_s": time.perf_counter() - t0,

@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     name = "tiny" if args.tiny else args.config
     cfg, _ = e2e_config(name)
-    params = model.prepare_params(random_params_device(cfg, 0), cfg, args.linears, args.experts)
+    params = model.prepare_params(random_params_device(cfg, 0), cfg, args.linears, args.experts,
+                                  donate=True)
     jax.block_until_ready(params)
     roof = roofline(1, copy_bytes=1 << 20, matmul_n=256) if args.tiny else roofline(3)
     res = {"device": str(jax.devices()[0].device_kind), "config": name,

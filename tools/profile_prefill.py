@@ -628,7 +628,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg, _ = e2e_config(args.config)
-    params = model.prepare_params(random_params_device(cfg, args.seed), cfg, args.linears)
+    params = model.prepare_params(random_params_device(cfg, args.seed), cfg, args.linears,
+                                  donate=True)
     jax.block_until_ready(params)
     res = {"device": str(jax.devices()[0].device_kind), "config": args.config,
            "linears": args.linears, "moe_impl": args.moe_impl, "attn_impl": args.attn_impl,

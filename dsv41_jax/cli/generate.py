@@ -525,7 +525,7 @@ def load_prepared(args: argparse.Namespace, cfg: ModelConfig, mesh=None):
     else:
         params = checkpoint.params_from_tensors(random_weights.random_tensors(cfg, args.seed),
                                                 cfg)
-    params = model.prepare_params(params, cfg)
+    params = model.prepare_params(params, cfg, donate=True)
     if mesh is not None:
         params = sharding.shard_params(params, cfg, mesh, engram=args.engram, reshard=True)
     if args.converted:
