@@ -264,8 +264,8 @@ def release_fit_experts(gpu_bytes: float = GPU_BYTES, headroom: float = HEADROOM
 #: layer in the grouped matmul's form) on the tiny config's layout, every layer role once:
 #: SWA-only, ratio-2 KV + index source, a Reuse of it, ratio-1 KV + index source (the CED
 #: decoder start and candidate-pool source), a Reuse of it, Reindex. Six layers (50 GB of
-#: weights): ``prepare_params`` builds the stacked, kernel-form experts beside the generated
-#: ones, so about half of one 141 GB GPU can hold weights.
+#: weights, prepared with ``donate=True``: the peak is about one layer more), so that an 80 GB
+#: H100 runs it as well as a 141 GB H200.
 RELEASE_384_LAYOUT = dict(n_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1],
                           kv_source_layers=[1, 3], index_source_layers=[1, 3, 5],
                           candidate_source_layer=3)

@@ -169,11 +169,14 @@ def test_unrolled_decode_runs_equal_the_loop(monkeypatch):
     params = model.prepare_params(random_params_device(cfg, 4), cfg)
     tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
 
+    # one prefill for both (the switch acts in decode steps only); each run decodes a copy
+    out, prefilled = model.prefill(params, cfg, tokens, st.init_state(cfg, 2, 32),
+                                   np.array([9, 4]))
+
     def run(setting):
         monkeypatch.setattr(model, "UNROLL_DECODE_RUNS", setting)
         jax.clear_caches()        # the switch is read when the step is traced
-        state = st.init_state(cfg, 2, 32)
-        out, state = model.prefill(params, cfg, tokens, state, np.array([9, 4]))
+        state = jax.tree.map(jnp.copy, prefilled)
         logits = [np.asarray(out.logits)]
         for _ in range(3):
             lg, state = model.decode_step(params, cfg, state, logits[-1].argmax(-1))

@@ -119,3 +119,17 @@ def test_gathered_path_rule():
     assert [b for b in range(1, 64) if gathered(b, 6, 384, "routed")] == list(range(1, 25))
     assert gathered(24, 6, 384) and not gathered(25, 6, 384)
     assert moe_layer.GATHERED_PAIRS == 64 and moe_layer.GATHERED_REREADS == 24.0
+
+
+@pytest.mark.parametrize("k,n_exp", [(6, 384), (6, 16), (6, 3), (8, 2), (1, 4)])
+def test_ascending_order_is_the_stable_argsort(k, n_exp):
+    """``ascending_order`` (the gathered and grouped paths' per-row order of expert ids, no
+    sort) equals the stable argsort: distinct ids (a router's top-k) and repeated ones (ties
+    keep their positions' order)."""
+    rng = np.random.default_rng(k * 1000 + n_exp)
+    idx = rng.integers(0, n_exp, (300, k)).astype(np.int32)
+    if n_exp >= k:
+        idx[:100] = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(100)])
+    got = np.asarray(moe_layer.ascending_order(jnp.asarray(idx)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argsort(idx, axis=-1, kind="stable"))

@@ -78,11 +78,26 @@ def expert(x: Float[Array, "N D"], p: dict, limit: float,
     return linear(a.astype(BF16), p["w2"])
 
 
+def ascending_order(idx: Int[Array, "N k"]) -> Int[Array, "N k"]:
+    """``jnp.argsort(idx, axis=-1, stable=True)`` for the few expert ids of each row, without
+    a sort: an id's slot is the number of smaller ids in its row plus the equal ones before it,
+    and slot ``s`` of the result holds the position whose slot is ``s``. One fused comparison
+    of ``k x k`` per row, where a sort is a kernel of its own on a GPU (one per MoE layer of a
+    decode step)."""
+    k = idx.shape[-1]
+    pos = jnp.arange(k, dtype=jnp.int32)
+    a, b = idx[:, None, :], idx[:, :, None]                         # [N, i, j]: j against i
+    slot = jnp.sum((a < b) | ((a == b) & (pos[None, :] < pos[:, None])), axis=-1,
+                   dtype=jnp.int32)                                 # [N, k] slot of position i
+    return jnp.sum(jnp.where(slot[:, :, None] == pos, pos[:, None], 0), axis=1,
+                   dtype=jnp.int32)
+
+
 def _routed_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
                     w: Float[Array, "N k"], limit: float) -> Float[Array, "N D"]:
     """The routed experts of each token, gathered: fp32 sum in increasing expert id."""
     N, k = idx.shape
-    order = jnp.argsort(idx, axis=-1)
+    order = ascending_order(idx)
     ids = jnp.take_along_axis(idx, order, axis=-1)
     ws = jnp.take_along_axis(w, order, axis=-1)
 
@@ -134,7 +149,7 @@ def _grouped_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     ws = w.reshape(-1)[perm]
     # each token's pairs in increasing expert id -> their positions in the sorted order
-    pairs = (jnp.arange(N)[:, None] * k + jnp.argsort(idx, axis=-1)).reshape(-1)
+    pairs = (jnp.arange(N)[:, None] * k + ascending_order(idx)).reshape(-1)
     pos = jnp.zeros_like(perm).at[perm].set(jnp.arange(N * k, dtype=perm.dtype))[pairs]
     if grouped_matmul.uses_kernel(experts["w1"]):
         pad = grouped_matmul.padding(group_sizes, N * k)
@@ -186,7 +201,7 @@ def _pair_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
     sort by expert, no group sizes), the experts' FP4 weights read in place from their stack;
     the same sums as :func:`_routed_experts` up to the summation order inside each product."""
     N, k = idx.shape
-    order = jnp.argsort(idx, axis=-1)
+    order = ascending_order(idx)
     ids = jnp.take_along_axis(idx, order, axis=-1).reshape(-1)
     ws = jnp.take_along_axis(w, order, axis=-1).reshape(-1)
     pad = grouped_matmul.pair_padding(ids)
@@ -208,7 +223,7 @@ GATHERED_PAIRS = 64
 #: synced ms per step, gathered against grouped): batch 3 (5.9 expected rereads) 12.1 against
 #: 14.3, batch 5 (15.5) 12.7 against 13.8, batch 8 (32.4) 17.5 against 15.9. The bound sits
 #: between the last two: up to 6 tokens gathered there, up to 24 at the release's 384 experts
-#: (not yet timed: the release-384 decode step at batch 32 ran out of memory on an H100).
+#: (not yet timed there).
 GATHERED_REREADS = 24.0
 
 

@@ -1,0 +1,118 @@
+"""The memory peak of preparing the parameters, with and without ``donate``: seeded random
+weights built (the tree ``checkpoint.load_params`` gives), then ``model.prepare_params`` in the
+GPU's forms (FP8 linears as stored, experts in the grouped matmul's kernel form), each setting
+in a process of its own (docs/architecture.md, "Loading at full size").
+
+    python tools/load_peak.py --config release-384 --out load_peak.json           # GPU
+    python tools/load_peak.py --config release-384 --experts 32 --vocab 8192        # CPU
+
+Per setting: ``loaded_bytes`` (the raw tree), ``prepared_bytes``, ``peak_bytes`` (a GPU: the
+allocator's ``peak_bytes_in_use``; a CPU: the process's peak resident memory above what it
+held before the weights were built, so it includes the allocator's slack), ``over_prepared``
+(``peak_bytes - prepared_bytes``) and the memory plan's bound for the donated setting
+(``memory_plan.largest_layer_bytes``: the weights plus the largest layer). ``--experts`` and
+``--vocab`` shrink the config to fit a small machine (the layer layout stays). Exit status 1 if
+a setting failed (its record holds the error's last lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from dsv41_jax.cli.args import Parser, positive_int
+
+
+def _config(name: str, experts: int | None, vocab: int | None):
+    from benchmarks.config import e2e_config
+    cfg = e2e_config(name)[0]
+    if experts:
+        cfg = cfg.replace(n_routed_experts=experts,
+                          n_activated_experts=min(cfg.n_activated_experts, experts))
+    if vocab:
+        cfg = cfg.replace(vocab_size=vocab, image_token_id=min(cfg.image_token_id, vocab - 1))
+    return cfg
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child(name: str, experts: int | None, vocab: int | None, donate: bool) -> dict:
+    """One setting in this process (the record)."""
+    import dsv41_jax  # noqa: F401  (first: the XLA numerics flag)
+    import jax
+
+    from dsv41_jax import memory_plan, model
+    from dsv41_jax.random_weights import random_params_device
+    cfg = _config(name, experts, vocab)
+    dev = jax.devices()[0]
+    gpu = dev.platform == "gpu"
+    jax.block_until_ready(jax.numpy.zeros(1))
+    base = 0 if gpu else _rss_bytes()
+    t0 = time.perf_counter()
+    raw = random_params_device(cfg, 0)
+    jax.block_until_ready(raw)
+    loaded = sum(a.nbytes for a in jax.tree.leaves(raw))
+    t1 = time.perf_counter()
+    prepared = model.prepare_params(raw, cfg, "stored", "kernel", donate=donate)
+    del raw
+    jax.block_until_ready(prepared)
+    t2 = time.perf_counter()
+    peak = (dev.memory_stats()["peak_bytes_in_use"] if gpu else _rss_bytes() - base)
+    prep = sum(a.nbytes for a in jax.tree.leaves(prepared))
+    return {"donate": donate, "device": dev.device_kind, "loaded_bytes": loaded,
+            "prepared_bytes": prep, "peak_bytes": int(peak), "over_prepared": int(peak - prep),
+            "largest_layer_bytes": memory_plan.largest_layer_bytes(cfg),
+            "build_s": t1 - t0, "prepare_s": t2 - t1}
+
+
+def main(argv=None) -> int:
+    ap = Parser(prog="load_peak", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="release-384",
+                    help="an end-to-end config (benchmarks.config.E2E_CONFIGS; default "
+                         "release-384)")
+    ap.add_argument("--experts", type=positive_int, default=None,
+                    help="routed experts (default: the config's)")
+    ap.add_argument("--vocab", type=positive_int, default=None,
+                    help="vocabulary size (default: the config's)")
+    ap.add_argument("--out", default=None, help="write the records as JSON here")
+    ap.add_argument("--child", choices=("0", "1"), default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(child(args.config, args.experts, args.vocab, args.child == "1")))
+        return 0
+    GB = 2 ** 30
+    recs, failed = [], False
+    for donate in (False, True):
+        cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config,
+               "--child", str(int(donate))]
+        cmd += ["--experts", str(args.experts)] if args.experts else []
+        cmd += ["--vocab", str(args.vocab)] if args.vocab else []
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            failed = True
+            rec = {"donate": donate, "error": (r.stdout + r.stderr).strip()[-1500:]}
+            print(f"donate={donate}: failed\n{rec['error']}", flush=True)
+        else:
+            rec = json.loads(r.stdout.strip().splitlines()[-1])
+            print(f"donate={donate}: loaded {rec['loaded_bytes'] / GB:.2f} GiB, prepared "
+                  f"{rec['prepared_bytes'] / GB:.2f} GiB, peak {rec['peak_bytes'] / GB:.2f} GiB "
+                  f"({rec['over_prepared'] / GB:+.2f} over the prepared tree; the largest layer "
+                  f"{rec['largest_layer_bytes'] / GB:.2f} GiB), prepared in "
+                  f"{rec['prepare_s']:.1f} s", flush=True)
+        recs.append(rec)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"config": args.config, "experts": args.experts, "vocab": args.vocab,
+                       "settings": recs}, f, indent=1)
+    return int(failed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
