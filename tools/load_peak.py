@@ -6,13 +6,15 @@ in a process of its own (docs/architecture.md, "Loading at full size").
     python tools/load_peak.py --config release-384 --out load_peak.json           # GPU
     python tools/load_peak.py --config release-384 --experts 32 --vocab 8192        # CPU
 
-Per setting: ``loaded_bytes`` (the raw tree), ``prepared_bytes``, ``peak_bytes`` (a GPU: the
-allocator's ``peak_bytes_in_use``; a CPU: the process's peak resident memory above what it
-held before the weights were built, so it includes the allocator's slack), ``over_prepared``
-(``peak_bytes - prepared_bytes``) and the memory plan's bound for the donated setting
-(``memory_plan.largest_layer_bytes``: the weights plus the largest layer). ``--experts`` and
-``--vocab`` shrink the config to fit a small machine (the layer layout stays). Exit status 1 if
-a setting failed (its record holds the error's last lines).
+Per setting, in bytes above what the process held before the weights were built (a GPU: the
+allocator's ``bytes_in_use``; a CPU: the resident memory): ``held_before`` (the loaded tree),
+``held_after`` (the prepared tree, the loaded one dropped), ``peak_bytes`` (the most held while
+``prepare_params`` ran, sampled every 2 ms), ``over_after`` (``peak_bytes - held_after``) and
+``largest_layer_bytes`` (``memory_plan.largest_layer_bytes``: what the donated setting should
+stay within over the prepared tree); ``loaded_bytes`` and ``prepared_bytes`` are the trees'
+array sizes (int4 two to a byte). ``--experts`` and ``--vocab`` shrink the config to fit a
+small machine (the layer layout stays). Exit status 1 if a setting failed (its record holds
+the error's last lines).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
+import threading
 import time
 
 from dsv41_jax.cli.args import Parser, positive_int
@@ -39,8 +41,19 @@ def _config(name: str, experts: int | None, vocab: int | None):
     return cfg
 
 
-def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _nbytes(tree) -> int:
+    """Bytes of a tree's arrays, int4 packed two to a byte (as XLA stores them)."""
+    import jax
+    import jax.numpy as jnp
+    return sum(a.size // 2 if a.dtype in (jnp.int4, jnp.uint4) else a.nbytes
+               for a in jax.tree.leaves(tree))
+
+
+def _sampler(read, stop: threading.Event, out: list, every_s: float = 0.002):
+    """Keep the largest of ``read()`` in ``out[0]`` until ``stop`` is set."""
+    while not stop.is_set():
+        out[0] = max(out[0], read())
+        time.sleep(every_s)
 
 
 def child(name: str, experts: int | None, vocab: int | None, donate: bool) -> dict:
@@ -52,22 +65,37 @@ def child(name: str, experts: int | None, vocab: int | None, donate: bool) -> di
     from dsv41_jax.random_weights import random_params_device
     cfg = _config(name, experts, vocab)
     dev = jax.devices()[0]
-    gpu = dev.platform == "gpu"
+    if dev.platform == "gpu":
+        def read():
+            return dev.memory_stats()["bytes_in_use"]
+    else:
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def read():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * page
     jax.block_until_ready(jax.numpy.zeros(1))
-    base = 0 if gpu else _rss_bytes()
+    base = read()
     t0 = time.perf_counter()
     raw = random_params_device(cfg, 0)
     jax.block_until_ready(raw)
-    loaded = sum(a.nbytes for a in jax.tree.leaves(raw))
+    loaded = _nbytes(raw)
+    before = read() - base
+    peak, stop = [0], threading.Event()
+    sampler = threading.Thread(target=_sampler, args=(read, stop, peak), daemon=True)
+    sampler.start()
     t1 = time.perf_counter()
     prepared = model.prepare_params(raw, cfg, "stored", "kernel", donate=donate)
     del raw
     jax.block_until_ready(prepared)
     t2 = time.perf_counter()
-    peak = (dev.memory_stats()["peak_bytes_in_use"] if gpu else _rss_bytes() - base)
-    prep = sum(a.nbytes for a in jax.tree.leaves(prepared))
+    stop.set()
+    sampler.join()
+    after = read() - base
     return {"donate": donate, "device": dev.device_kind, "loaded_bytes": loaded,
-            "prepared_bytes": prep, "peak_bytes": int(peak), "over_prepared": int(peak - prep),
+            "prepared_bytes": _nbytes(prepared),
+            "held_before": before, "held_after": after, "peak_bytes": peak[0] - base,
+            "over_after": peak[0] - base - after,
             "largest_layer_bytes": memory_plan.largest_layer_bytes(cfg),
             "build_s": t1 - t0, "prepare_s": t2 - t1}
 
@@ -101,11 +129,12 @@ def main(argv=None) -> int:
             print(f"donate={donate}: failed\n{rec['error']}", flush=True)
         else:
             rec = json.loads(r.stdout.strip().splitlines()[-1])
-            print(f"donate={donate}: loaded {rec['loaded_bytes'] / GB:.2f} GiB, prepared "
-                  f"{rec['prepared_bytes'] / GB:.2f} GiB, peak {rec['peak_bytes'] / GB:.2f} GiB "
-                  f"({rec['over_prepared'] / GB:+.2f} over the prepared tree; the largest layer "
-                  f"{rec['largest_layer_bytes'] / GB:.2f} GiB), prepared in "
-                  f"{rec['prepare_s']:.1f} s", flush=True)
+            print(f"donate={donate}: held {rec['held_before'] / GB:.2f} GiB loaded "
+                  f"({rec['loaded_bytes'] / GB:.2f} GiB of arrays), {rec['held_after'] / GB:.2f}"
+                  f" GiB prepared; peak while preparing {rec['peak_bytes'] / GB:.2f} GiB "
+                  f"({rec['over_after'] / GB:+.2f} over the prepared tree; the largest layer "
+                  f"{rec['largest_layer_bytes'] / GB:.2f} GiB), {rec['prepare_s']:.1f} s",
+                  flush=True)
         recs.append(rec)
     if args.out:
         with open(args.out, "w") as f:
