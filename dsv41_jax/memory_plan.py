@@ -186,16 +186,21 @@ def mesh_weight_bytes(cfg, mesh: dict, engram: str, shapes=None) -> dict[str, in
     ``"device"`` replicated, ``"sharded"`` rows over every device (padded to a multiple of the
     device count, as ``shard_params(..., engram="sharded")`` does), ``"host"`` 0. Vision
     tensors are replicated. ``shapes``: :func:`param_shapes` of ``cfg`` when already made."""
-    from dsv41_jax import checkpoint, sharding
-    amesh = jax.sharding.AbstractMesh(tuple(mesh[a] for a in sharding.MESH_AXES),
-                                      sharding.MESH_AXES)
-    n_dev = math.prod(mesh.values())
+    from dsv41_jax import checkpoint
+    amesh, n_dev = _abstract_mesh(mesh)
     out = dict.fromkeys(WEIGHT_KINDS, 0)
     for p, kind, shape, dtype in _leaves(shapes or param_shapes(cfg)):
         out[kind] += _mesh_leaf_bytes(p, kind, shape, dtype, mesh, amesh, n_dev, engram)
     for shape, dtypes in checkpoint.expected_vision_tensors(cfg).values():
         out["vision"] += _nbytes(shape, dtypes[0])
     return out
+
+
+def _abstract_mesh(mesh: dict):
+    """``(AbstractMesh, device count)`` of axis sizes ``mesh``."""
+    from dsv41_jax import sharding
+    return (jax.sharding.AbstractMesh(tuple(mesh[a] for a in sharding.MESH_AXES),
+                                      sharding.MESH_AXES), math.prod(mesh.values()))
 
 
 def _leaves(shapes):
@@ -237,13 +242,8 @@ def largest_layer_bytes(cfg, *, devices: int = 1, engram: str = "device",
     """Bytes per device of the largest layer's parameters, split as :func:`plan` splits the
     weights (``mesh``: by the sharding table, else :func:`device_share`): what
     ``prepare_params(..., donate=True)`` holds twice at most while it converts one layer."""
-    from dsv41_jax import sharding
     per_layer: dict[int, int] = {}
-    amesh = n_dev = None
-    if mesh is not None:
-        amesh = jax.sharding.AbstractMesh(tuple(mesh[a] for a in sharding.MESH_AXES),
-                                          sharding.MESH_AXES)
-        n_dev = math.prod(mesh.values())
+    amesh, n_dev = _abstract_mesh(mesh) if mesh is not None else (None, None)
     for p, kind, shape, dtype in _leaves(shapes or param_shapes(cfg)):
         if not p.startswith("layers/"):
             continue

@@ -123,8 +123,8 @@ def test_gathered_path_rule():
 
 @pytest.mark.parametrize("k,n_exp", [(6, 384), (6, 16), (6, 3), (8, 2), (1, 4)])
 def test_ascending_order_is_the_stable_argsort(k, n_exp):
-    """``ascending_order`` (the gathered and grouped paths' per-row order of expert ids, no
-    sort) equals the stable argsort: distinct ids (a router's top-k) and repeated ones (ties
+    """``ascending_order`` (the gathered paths' per-row order of expert ids, no sort) equals
+    the stable argsort: distinct ids (a router's top-k) and repeated ones (ties
     keep their positions' order)."""
     rng = np.random.default_rng(k * 1000 + n_exp)
     idx = rng.integers(0, n_exp, (300, k)).astype(np.int32)

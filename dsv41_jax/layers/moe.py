@@ -81,9 +81,10 @@ def expert(x: Float[Array, "N D"], p: dict, limit: float,
 def ascending_order(idx: Int[Array, "N k"]) -> Int[Array, "N k"]:
     """``jnp.argsort(idx, axis=-1, stable=True)`` for the few expert ids of each row, without
     a sort: an id's slot is the number of smaller ids in its row plus the equal ones before it,
-    and slot ``s`` of the result holds the position whose slot is ``s``. One fused comparison
-    of ``k x k`` per row, where a sort is a kernel of its own on a GPU (one per MoE layer of a
-    decode step)."""
+    and slot ``s`` of the result holds the position whose slot is ``s``. For the few rows of
+    the gathered paths these ``k x k`` comparisons fuse with their neighbours, where a sort is
+    a kernel of its own on a GPU; at 64 rows XLA makes the two reductions two kernels, so the
+    grouped path keeps ``jnp.argsort``."""
     k = idx.shape[-1]
     pos = jnp.arange(k, dtype=jnp.int32)
     a, b = idx[:, None, :], idx[:, :, None]                         # [N, i, j]: j against i
@@ -149,7 +150,7 @@ def _grouped_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     ws = w.reshape(-1)[perm]
     # each token's pairs in increasing expert id -> their positions in the sorted order
-    pairs = (jnp.arange(N)[:, None] * k + ascending_order(idx)).reshape(-1)
+    pairs = (jnp.arange(N)[:, None] * k + jnp.argsort(idx, axis=-1)).reshape(-1)
     pos = jnp.zeros_like(perm).at[perm].set(jnp.arange(N * k, dtype=perm.dtype))[pairs]
     if grouped_matmul.uses_kernel(experts["w1"]):
         pad = grouped_matmul.padding(group_sizes, N * k)
