@@ -14,6 +14,8 @@ Formats used by the model (docs/architecture.md, "Number formats"):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt8
@@ -32,6 +34,7 @@ from pallas_kernels.fp4.reference import act_quant_qdq, fp8_dequantize, fp8_quan
 # ----------------------------------------------------------------------------- FP4
 
 
+@functools.partial(jax.jit, static_argnames=("block", "scale_fmt"))
 def fp4_qdq(x: Float[Array, "... K"], block: int, scale_fmt: str) -> Float[Array, "... K"]:
     """FP4 QDQ; returns bf16 (the values the reference keeps in its caches).
 
@@ -44,6 +47,7 @@ def fp4_qdq(x: Float[Array, "... K"], block: int, scale_fmt: str) -> Float[Array
 # ----------------------------------------------------------------------------- weights
 
 
+@functools.partial(jax.jit, static_argnames=("block", "dtype"))
 def dequant_fp8_weight(w: jax.Array, scale: UInt8[Array, "*batch Go Gi"], block: int = 32,
                        dtype=BF16) -> jax.Array:
     """FP8 weight ``[out, in]`` with one E8M0 scale per ``block x block`` tile -> ``dtype``.
@@ -57,6 +61,7 @@ def dequant_fp8_weight(w: jax.Array, scale: UInt8[Array, "*batch Go Gi"], block:
     return (w.astype(F32) * s).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("block", "dtype"))
 def dequant_fp4_weight(packed: UInt8[Array, "... O I2"], scale: UInt8[Array, "... O G"],
                        block: int = 32, dtype=BF16) -> jax.Array:
     """Packed e2m1 expert weight ``[out, in/2]`` + E8M0 ``[out, in/32]`` -> ``dtype`` [out, in]."""

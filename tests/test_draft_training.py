@@ -183,7 +183,7 @@ def test_train_draft_script_smoke(tmp_path, tiny_a_bf16):
     argv = ["--checkpoint", str(src), "--data", str(data), "--out", str(out), "--steps", "2",
             "--batch", "2", "--seq-len", "32", "--anchors", "4", "--eval-every", "2",
             "--eval-batches", "1", "--prompts", "2", "--prompt-len", "12", "--new-tokens", "6",
-            "--experts", "4,2"]
+            "--experts", "4,2", "--block-size", "3"]
     s = script.run(script.parse_args(argv))
     hist = json.loads((out / "history.json").read_text())
     assert [r["step"] for r in hist["val"]] == [0, 2] and len(hist["train"]) == 1
@@ -192,7 +192,7 @@ def test_train_draft_script_smoke(tmp_path, tiny_a_bf16):
     loaded_cfg, params = checkpoint.load_params(str(ck))
     assert loaded_cfg.dspark_on and loaded_cfg.dspark_experts == (4, 2)
     assert len(params["dspark"]["stages"]) == 3
-    assert [a["drafts"] for a in s["acceptance"]] == [5, "auto"]
+    assert [a["drafts"] for a in s["acceptance"]] == [3, "auto"]
     assert all(a["same_tokens_as_plain"] for a in s["acceptance"])
     # its own export again: the old head (a file of its own) is replaced, not copied
     s2 = script.run(script.parse_args(argv[:1] + [str(ck)] + argv[2:5] + [str(tmp_path / "again")]

@@ -13,6 +13,8 @@ finite values.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,6 +79,7 @@ def e2m1_decode(code: jax.Array) -> Float[Array, "..."]:
     return jnp.asarray(E2M1_LUT)[code.astype(jnp.int32)]
 
 
+@functools.partial(jax.jit, static_argnames=("block", "scale_fmt"))
 def fp4_quantize(x: Float[ArrayLike, "... K"], block: int, scale_fmt: str
                  ) -> tuple[jax.Array, jax.Array]:
     """``fp4_act_quant``: e2m1 codes (uint8, one per value) and per-block scales.
@@ -119,12 +122,14 @@ def fp4_scale_to_f32(scale: jax.Array) -> jax.Array:
     return scale.astype(F32)
 
 
+@functools.partial(jax.jit, static_argnames=("block", "dtype"))
 def fp4_dequantize(codes: jax.Array, scale: jax.Array, block: int, dtype=BF16) -> jax.Array:
     """Unpacked e2m1 codes (uint8 [..., K]) and per-block scales -> values (exact)."""
     vb = _blocks(e2m1_decode(codes), block)
     return (vb * fp4_scale_to_f32(scale)[..., None]).reshape(codes.shape).astype(dtype)
 
 
+@jax.jit
 def pack_nibbles(codes: UInt8[Array, "... K"]) -> UInt8[Array, "... K2"]:
     """Two e2m1 codes per byte: element 2j in the low nibble, 2j+1 in the high
     (docs/architecture.md, "Number formats")."""
@@ -132,6 +137,7 @@ def pack_nibbles(codes: UInt8[Array, "... K"]) -> UInt8[Array, "... K2"]:
     return c[..., 0] | (c[..., 1] << 4)
 
 
+@jax.jit
 def unpack_nibbles(packed: UInt8[Array, "... K2"]) -> UInt8[Array, "... K"]:
     """Inverse of :func:`pack_nibbles`."""
     lo = packed & 0x0F
@@ -142,6 +148,7 @@ def unpack_nibbles(packed: UInt8[Array, "... K2"]) -> UInt8[Array, "... K"]:
 # ----------------------------------------------------------------------------- FP8 activations
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def fp8_quantize(x: Float[ArrayLike, "... K"], block: int = 32) -> tuple[jax.Array, jax.Array]:
     """``act_quant``: e4m3 codes and E8M0 scale bytes, one scale per ``block`` values.
 
@@ -156,6 +163,7 @@ def fp8_quantize(x: Float[ArrayLike, "... K"], block: int = 32) -> tuple[jax.Arr
     return q.reshape(x.shape), (e[..., 0] + 127).astype(jnp.uint8)
 
 
+@functools.partial(jax.jit, static_argnames=("block", "dtype"))
 def fp8_dequantize(codes: jax.Array, scale: UInt8[Array, "... G"], block: int = 32,
                    dtype=BF16) -> jax.Array:
     """Inverse of :func:`fp8_quantize` (exact): ``e4m3(codes) * 2**(scale - 127)``."""
@@ -163,6 +171,7 @@ def fp8_dequantize(codes: jax.Array, scale: UInt8[Array, "... G"], block: int = 
     return (qb * e8m0_to_f32(scale)[..., None]).reshape(codes.shape).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def act_quant_qdq(x: Float[Array, "... K"], block: int = 32) -> Float[Array, "... K"]:
     """FP8 QDQ of an activation (per-``block`` power-of-two scales); returns bf16.
 
