@@ -1280,7 +1280,8 @@ def benchmark(args) -> dict:
             results["engram"] = args.engram
         jax.block_until_ready(params)
         results["prepare_params_s"] = time.perf_counter() - t0
-        results["params_bytes"] = sum(x.size * x.dtype.itemsize
+        # int4 (the kernel form of FP4 experts) is stored two to a byte
+        results["params_bytes"] = sum(x.size * jax.dtypes.itemsize_bits(x.dtype) // 8
                                       for x in jax.tree.leaves(params))
         print(f"params: {results['params_bytes'] / GB:.2f} GB of random weights in "
               f"{results['params_s']:.1f} s, prepared in {results['prepare_params_s']:.1f} s",

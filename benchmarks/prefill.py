@@ -320,7 +320,8 @@ def benchmark(args: argparse.Namespace) -> dict:
     params = random_weights.random_params_device(cfg, args.seed, token_map)
     jax.block_until_ready(params)
     params_s = time.perf_counter() - t0
-    params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    params_bytes = sum(x.size * jax.dtypes.itemsize_bits(x.dtype) // 8
+                       for x in jax.tree.leaves(params))
     print(f"params: {params_bytes / GB:.2f} GB of random weights built on {dev.platform} in "
           f"{params_s:.1f}s")
     # prepared once (stacked layer groups, FP8 linears dequantised), not inside every timed call

@@ -20,7 +20,8 @@ and dequantised on use (docs/architecture.md, "Quantised linears"):
   GEMV kernel (:mod:`pallas_kernels.gemv`), where a GEMM would read a sliced copy; the kernel
   also applies the input's FP8 act-quant in its tiles (no kernels of its own). Otherwise a
   call of at most :data:`SMALL_ROWS` rows is one fused dequantise-multiply-reduce on the
-  stored bytes, and a larger one dequantises and runs the GEMM. The products are exact in
+  stored bytes (FP4 experts in the ``i4`` form too, with the ``fp4`` form's sums), and a
+  larger one dequantises and runs the GEMM. The products are exact in
   fp32, so only the summation order differs from the other forms.
 
 Because fp8/fp4 values times a power of two are exact in bf16, ``dot(QDQ(x), dequant(W))``
@@ -39,6 +40,7 @@ from dsv41_jax import quant
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from pallas_kernels import gemv, grouped_matmul
 from pallas_kernels.fp4.common import exp2_int
+from pallas_kernels.grouped_matmul.mosaic_gpu import e2m1_from_i4
 from pallas_kernels.impls import on_gpu
 from pallas_kernels.mhc.reference import rms_norm  # noqa: F401  (its one copy)
 
@@ -111,15 +113,21 @@ def _stack_gemv(x: jax.Array, p: dict, act_quant: bool = False,
 
 
 def _small_rows_matmul(x: jax.Array, p: dict) -> jax.Array:
-    """fp32 ``x @ W.T`` of a stored-format weight as one multiply-reduce over ``in`` (``x``
-    already quantised, its values exact in bf16)."""
+    """fp32 ``x @ W.T`` of a stored-format weight, or FP4 experts in the grouped matmul's
+    form, as one multiply-reduce over ``in`` (``x`` already quantised, its values exact in
+    bf16). Both FP4 forms sum the even and the odd inputs apart, then add the two sums."""
     xf = x.astype(F32)
     if "fp8" in p:
         w = quant.dequant_fp8_weight(p["fp8"], p["scale"], 32, F32)
         return jnp.sum(xf[..., None, :] * w, axis=-1)
-    packed = p["fp4"]                                   # [out, in/2]: x[2j] low, x[2j+1] high
-    s = jnp.repeat(quant.e8m0_to_f32(p["scale"]), 16, axis=-1)
-    lo, hi = _e2m1_value(packed & 0x0F) * s, _e2m1_value(packed >> 4) * s
+    if grouped_matmul.is_kernel_form(p):                # int4 [out, in], scales [in/32, out]
+        v = e2m1_from_i4(p["i4"].astype(F32))
+        s = jnp.repeat(jnp.swapaxes(p["scale_t"], -1, -2).astype(F32), 16, axis=-1)
+        lo, hi = v[..., 0::2] * s, v[..., 1::2] * s
+    else:
+        packed = p["fp4"]                               # [out, in/2]: x[2j] low, x[2j+1] high
+        s = jnp.repeat(quant.e8m0_to_f32(p["scale"]), 16, axis=-1)
+        lo, hi = _e2m1_value(packed & 0x0F) * s, _e2m1_value(packed >> 4) * s
     return (jnp.sum(xf[..., None, 0::2] * lo, axis=-1)
             + jnp.sum(xf[..., None, 1::2] * hi, axis=-1))
 
@@ -140,7 +148,8 @@ def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
     if is_quantized(p):
         x = quant.act_quant_qdq(x, 32)
     p = _in_stack(p)
-    if ("fp8" in p or "fp4" in p) and _rows(x) <= SMALL_ROWS:
+    stored = "fp8" in p or "fp4" in p or grouped_matmul.is_kernel_form(p)
+    if stored and _rows(x) <= SMALL_ROWS:
         return _small_rows_matmul(x, p).astype(BF16)
     wb = dequant_weight(p, BF16)
     y = jnp.einsum("...i,oi->...o", x.astype(BF16), wb, preferred_element_type=F32)
