@@ -66,7 +66,8 @@ import numpy as np
 
 from benchmarks import config as bench_config
 from benchmarks import moe_rows
-from benchmarks.timing import memory_stats, roofline, trace_profile, write_json, xla_compiles
+from benchmarks.timing import (memory_stats, roofline, trace_profile, tree_bytes, write_json,
+                               xla_compiles)
 from dsv41_jax import compile_cache, generation, model, random_weights, sharding, state as st
 from dsv41_jax.cli.args import Parser, mesh_spec, nonnegative_int, positive_int, positive_ints
 from dsv41_jax.config import LayerPlan, ModelConfig
@@ -1280,9 +1281,7 @@ def benchmark(args) -> dict:
             results["engram"] = args.engram
         jax.block_until_ready(params)
         results["prepare_params_s"] = time.perf_counter() - t0
-        # int4 (the kernel form of FP4 experts) is stored two to a byte
-        results["params_bytes"] = sum(x.size * jax.dtypes.itemsize_bits(x.dtype) // 8
-                                      for x in jax.tree.leaves(params))
+        results["params_bytes"] = tree_bytes(params)
         print(f"params: {results['params_bytes'] / GB:.2f} GB of random weights in "
               f"{results['params_s']:.1f} s, prepared in {results['prepare_params_s']:.1f} s",
               flush=True)

@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import config as bench_config
-from benchmarks.timing import memory_stats, write_json, xla_compiles
+from benchmarks.timing import memory_stats, tree_bytes, write_json, xla_compiles
 from dsv41_jax import model, random_weights, sharding, state as st
 from dsv41_jax.cli.args import Parser, mesh_spec, positive_int, positive_ints
 
@@ -320,8 +320,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     params = random_weights.random_params_device(cfg, args.seed, token_map)
     jax.block_until_ready(params)
     params_s = time.perf_counter() - t0
-    params_bytes = sum(x.size * jax.dtypes.itemsize_bits(x.dtype) // 8
-                       for x in jax.tree.leaves(params))
+    params_bytes = tree_bytes(params)
     print(f"params: {params_bytes / GB:.2f} GB of random weights built on {dev.platform} in "
           f"{params_s:.1f}s")
     # prepared once (stacked layer groups, FP8 linears dequantised), not inside every timed call

@@ -299,6 +299,12 @@ def xla_compiles() -> int:
     return _COMPILES[0]
 
 
+def tree_bytes(tree) -> int:
+    """Bytes of a tree's arrays as the device stores them (int4, the grouped matmul's kernel
+    form of FP4 experts, two to a byte)."""
+    return sum(x.size * jax.dtypes.itemsize_bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
+
+
 def memory_stats() -> dict | None:
     """Peak / current / limit bytes of the first device (None where the backend has none)."""
     try:

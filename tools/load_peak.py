@@ -42,11 +42,10 @@ def _config(name: str, experts: int | None, vocab: int | None):
 
 
 def _nbytes(tree) -> int:
-    """Bytes of a tree's arrays, int4 packed two to a byte (as XLA stores them)."""
-    import jax
-    import jax.numpy as jnp
-    return sum(a.size // 2 if a.dtype in (jnp.int4, jnp.uint4) else a.nbytes
-               for a in jax.tree.leaves(tree))
+    """Bytes of a tree's arrays as stored (:func:`benchmarks.timing.tree_bytes`; imported
+    here, in the child that measures, so the parent never starts JAX)."""
+    from benchmarks.timing import tree_bytes
+    return tree_bytes(tree)
 
 
 def _sampler(read, stop: threading.Event, out: list, every_s: float = 0.002):

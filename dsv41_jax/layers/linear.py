@@ -40,7 +40,6 @@ from dsv41_jax import quant
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from pallas_kernels import gemv, grouped_matmul
 from pallas_kernels.fp4.common import exp2_int
-from pallas_kernels.grouped_matmul.mosaic_gpu import e2m1_from_i4
 from pallas_kernels.impls import on_gpu
 from pallas_kernels.mhc.reference import rms_norm  # noqa: F401  (its one copy)
 
@@ -120,9 +119,9 @@ def _small_rows_matmul(x: jax.Array, p: dict) -> jax.Array:
     if "fp8" in p:
         w = quant.dequant_fp8_weight(p["fp8"], p["scale"], 32, F32)
         return jnp.sum(xf[..., None, :] * w, axis=-1)
-    if grouped_matmul.is_kernel_form(p):                # int4 [out, in], scales [in/32, out]
-        v = e2m1_from_i4(p["i4"].astype(F32))
-        s = jnp.repeat(jnp.swapaxes(p["scale_t"], -1, -2).astype(F32), 16, axis=-1)
+    if grouped_matmul.is_kernel_form(p):                # values [out, in]
+        v, s = grouped_matmul.kernel_form_values(p)
+        s = jnp.repeat(s, 16, axis=-1)
         lo, hi = v[..., 0::2] * s, v[..., 1::2] * s
     else:
         packed = p["fp4"]                               # [out, in/2]: x[2j] low, x[2j+1] high

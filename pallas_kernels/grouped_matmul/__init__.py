@@ -31,7 +31,8 @@ from pallas_kernels.fp4.reference import BF16, F32
 from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tpu
 
 __all__ = ["grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form", "dequant",
-           "in_layer", "Padding", "padding", "pair_padding", "padded_matmul", "uses_kernel"]
+           "kernel_form_values", "in_layer", "Padding", "padding", "pair_padding",
+           "padded_matmul", "uses_kernel"]
 
 prepare_experts = mosaic_gpu.prepare_experts
 
@@ -55,6 +56,13 @@ def in_layer(w: dict) -> dict:
             for k, v in w.items() if k != "at"}
 
 
+def kernel_form_values(w: dict) -> tuple[jax.Array, jax.Array]:
+    """Experts in the kernel form (one layer's, no ``"at"``) as fp32 values ``[..., N, K]``
+    and their fp32 scales ``[..., N, K / 32]`` (exact)."""
+    return (mosaic_gpu.e2m1_from_i4(w["i4"].astype(F32)),
+            jnp.swapaxes(w["scale_t"], -1, -2).astype(F32))
+
+
 def dequant(w: dict, dtype=BF16) -> jax.Array:
     """The stacked experts of either form as ``dtype`` ``[..., N, K]`` (exact)."""
     w = in_layer(w)
@@ -63,9 +71,8 @@ def dequant(w: dict, dtype=BF16) -> jax.Array:
         out = reference.dequant_experts(w["fp4"].reshape(-1, *w["fp4"].shape[-2:]),
                                         w["scale"].reshape(-1, *w["scale"].shape[-2:]))
         return out.reshape(*lead, *out.shape[-2:]).astype(dtype)
-    v = mosaic_gpu.e2m1_from_i4(w["i4"].astype(F32))
-    s = jnp.repeat(jnp.swapaxes(w["scale_t"], -1, -2).astype(F32), 32, axis=-1)
-    return (v * s).astype(dtype)
+    v, s = kernel_form_values(w)
+    return (v * jnp.repeat(s, 32, axis=-1)).astype(dtype)
 
 
 @jax.tree_util.register_dataclass
