@@ -251,8 +251,14 @@ def write_ring_values(ring: jax.Array, values: jax.Array, p0: Int[Array, "B"],
                       n: Int[Array, "B"]) -> jax.Array:
     """Write chunk rows ``values [B, S, ...]`` (positions ``p0 .. p0+n-1``) into a ring
     ``[B, W, ...]`` with slot = position mod W: each slot receives the newest valid chunk
-    position that maps to it, other slots keep their content, padding never lands."""
+    position that maps to it, other slots keep their content, padding never lands.
+    One position per row (a decode step): a scatter of that row into its slot, the same values
+    (in place where the ring's buffer is donated, not a select over the whole ring)."""
     W = ring.shape[1]
+    if values.shape[1] == 1:
+        slot = jnp.where(n > 0, jnp.mod(p0, W), W)              # W: out of range, dropped
+        b = jnp.arange(ring.shape[0])
+        return ring.at[b, slot].set(values[:, 0].astype(ring.dtype), mode="drop")
     last = p0 + n - 1
     slot = jnp.arange(W, dtype=jnp.int32)[None, :]
     q = last[:, None] - jnp.mod(last[:, None] - slot, W)      # newest pos == slot (mod W)

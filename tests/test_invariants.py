@@ -540,3 +540,22 @@ def test_global_kv_bytes_per_token_release():
     assert cfg.kv_bytes_per_entry == {"main_kv": 288, "index_k": 68}
     assert dsv.global_kv_bytes_per_token(cfg) == 890
     assert dsv.global_kv_bytes_per_token(cfg, capacity=1024) == 890
+
+
+def test_ring_write_of_one_position_equals_the_chunk_write():
+    """``state.write_ring_values`` with one position per row (a decode step's scatter into its
+    slot) writes what the chunk formula writes for the same position: slot ``p mod W`` of each
+    row, past the wrap too, and nothing in a row with ``n = 0``."""
+    rng = np.random.default_rng(5)
+    B, W = 4, 8
+    ring = jnp.asarray(rng.normal(size=(B, W, 2, 3)), jnp.bfloat16)
+    values = jnp.asarray(rng.normal(size=(B, 1, 2, 3)), jnp.bfloat16)
+    p0 = jnp.asarray([0, 7, 13, 21], jnp.int32)
+    n = jnp.asarray([1, 1, 0, 1], jnp.int32)
+    got = np.asarray(st.write_ring_values(ring, values, p0, n), np.float32)
+    # the chunk formula: a chunk of two positions whose second is padding (n unchanged)
+    padded = jnp.concatenate([values, jnp.zeros_like(values)], axis=1)
+    want = np.asarray(st.write_ring_values(ring, padded, p0, n), np.float32)
+    np.testing.assert_array_equal(got, want)
+    changed = (got != np.asarray(ring, np.float32)).any(axis=(2, 3))
+    np.testing.assert_array_equal(np.argwhere(changed), [[0, 0], [1, 7], [3, 5]])
