@@ -67,6 +67,38 @@ def test_interpret_matches_reference(sizes, P, K, block_m, k_splits):
     assert (got[sum(sizes):] == 0).all()
 
 
+def test_rows_out_is_the_transpose():
+    """The kernel's row-major output (``rows_out``, the tile transposed on its way into
+    shared memory) holds exactly the values of its ``Y^T``, and ``padded_matmul`` gives the same
+    rows either way (:data:`grouped_matmul.ROWS_OUT`); ``rows_out`` with split K is refused."""
+    rng = np.random.default_rng(11)
+    E, N, K, block_m = 3, 256, 128, 16
+    codes, scale = _experts(rng, E, N, K)
+    w = gm.prepare_experts(codes, scale)
+    pad = gm.padding(jnp.asarray([9, 0, 20], jnp.int32), 29, block_m)
+    xp = pad.pad(jnp.asarray(rng.normal(0, 1, (29, K)), jnp.bfloat16))
+    try:
+        yt = mg.grouped_matmul_t(xp, w, pad.tile_expert, block_m=block_m, interpret=True)
+        y = mg.grouped_matmul_t(xp, w, pad.tile_expert, block_m=block_m, rows_out=True,
+                                interpret=True)
+        assert y.shape == (pad.rows, N) and yt.shape == (N, pad.rows)
+        used = np.asarray(pad.dest)
+        np.testing.assert_array_equal(np.asarray(y, np.float32)[used],
+                                      np.asarray(yt, np.float32).T[used])
+        rows = {}
+        for flag in (True, False):
+            with mock.patch.object(gm, "ROWS_OUT", flag):
+                rows[flag] = np.asarray(pad.unpad(gm.padded_matmul(xp, w, pad, interpret=True)),
+                                        np.float32)
+    except Exception:
+        _reset_interpreter()
+        raise
+    np.testing.assert_array_equal(rows[True], rows[False])
+    with pytest.raises(ValueError, match="rows_out needs k_splits=1"):
+        mg.grouped_matmul_t(xp, w, pad.tile_expert, block_m=block_m, k_splits=2,
+                            rows_out=True, interpret=True)
+
+
 def test_stack_read_in_place():
     """Experts handed on as a whole stack of layers with the layer's index (``"at"``): the
     kernel and the XLA path read that layer's experts."""
@@ -239,7 +271,7 @@ def test_few_pairs_on_the_kernel(tokens):
     pad = gm.pair_padding(jnp.asarray([2, 0, 2], jnp.int32))
     np.testing.assert_array_equal(pad.dest, [0, 8, 16])
     np.testing.assert_array_equal(pad.src[:9], [0, 3, 3, 3, 3, 3, 3, 3, 1])
-    np.testing.assert_array_equal(pad.unpad_t(jnp.arange(24.0)[None]), [[0.0], [8.0], [16.0]])
+    np.testing.assert_array_equal(pad.unpad(jnp.arange(24.0)[:, None]), [[0.0], [8.0], [16.0]])
 
 
 def _export_h200(f, *args):

@@ -184,15 +184,15 @@ def _padded_experts(x: Float[Array, "N D"], experts: dict, token: Int[Array, "P"
     outputs (pairs ``pos.reshape(N, k)``, in increasing expert id) added in fp32."""
     N = x.shape[0]
     xp = pad.pad(quant.act_quant_qdq(x, 32), token)            # the FP8 QDQ rows, padded
-    gt = grouped_matmul.padded_matmul(xp, experts["w1"], pad).astype(F32)    # [F, R]
-    upt = grouped_matmul.padded_matmul(xp, experts["w3"], pad).astype(F32)
-    a = _swiglu(gt.T, upt.T, pad.pad(ws), limit)
-    yt = grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad)
-    y = jnp.take(yt, pad.dest[pos], axis=1).reshape(-1, N, pos.shape[0] // N)   # [D, N, k]
-    acc = jnp.zeros(y.shape[:2], F32)
-    for j in range(y.shape[-1]):
-        acc = acc + y[..., j].astype(F32)
-    return acc.T
+    g = grouped_matmul.padded_matmul(xp, experts["w1"], pad).astype(F32)     # [R, F]
+    up = grouped_matmul.padded_matmul(xp, experts["w3"], pad).astype(F32)
+    a = _swiglu(g, up, pad.pad(ws), limit)
+    y = grouped_matmul.padded_matmul(quant.act_quant_qdq(a, 32), experts["w2"], pad)  # [R, D]
+    y = y[pad.dest[pos]].reshape(N, pos.shape[0] // N, -1)                   # [N, k, D]
+    acc = jnp.zeros((N, y.shape[-1]), F32)
+    for j in range(y.shape[1]):
+        acc = acc + y[:, j].astype(F32)
+    return acc
 
 
 def _pair_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],

@@ -30,11 +30,17 @@ from pallas_kernels import impls
 from pallas_kernels.fp4.reference import BF16, F32
 from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tpu
 
-__all__ = ["grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form", "dequant",
+__all__ = ["ROWS_OUT", "grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form", "dequant",
            "kernel_form_values", "in_layer", "Padding", "padding", "pair_padding",
            "padded_matmul", "uses_kernel"]
 
 prepare_experts = mosaic_gpu.prepare_experts
+
+#: Whether the GPU kernel writes its output as rows ``Y [R, N]`` where it runs one K split (a
+#: prefill's calls; ``mosaic_gpu.grouped_matmul_t(rows_out=True)``), so that the MoE's combine
+#: gathers each token's outputs as rows. ``False``: the kernel writes ``Y^T`` and XLA
+#: transposes it (the layout before; an A/B switch).
+ROWS_OUT = True
 
 
 def kernel_fits(n: int, k: int) -> bool:
@@ -100,13 +106,12 @@ class Padding:
         rows = src if index is None else index[src]
         return jnp.where(keep.reshape(-1, *[1] * (x.ndim - 1)), x[rows], 0).astype(x.dtype)
 
-    def unpad_t(self, yt: jax.Array) -> jax.Array:
-        """Padded columns ``[N, R]`` (the kernel's ``Y^T``) -> grouped rows ``[P, N]`` (rows
-        past the groups' total: 0): a gather of columns in increasing order, then a plain
-        transpose."""
+    def unpad(self, y: jax.Array) -> jax.Array:
+        """Padded rows ``[R, N]`` (:func:`padded_matmul`'s ``Y``) -> grouped rows ``[P, N]``
+        (rows past the groups' total: 0), by a gather of rows in increasing order."""
         keep = self.dest < self.rows
-        y = jnp.take(yt, jnp.minimum(self.dest, self.rows - 1), axis=1).T
-        return jnp.where(keep[:, None], y, 0).astype(yt.dtype)
+        y = y[jnp.minimum(self.dest, self.rows - 1)]
+        return jnp.where(keep[:, None], y, 0).astype(y.dtype)
 
 
 def padding(group_sizes: Int[Array, "E"], rows: int, block_m: int | None = None) -> Padding:
@@ -144,11 +149,12 @@ def uses_kernel(w: dict, impl: str = "auto") -> bool:
 
 def padded_matmul(xp: BFloat16[Array, "R K"], w: dict, pad: Padding, *, interpret: bool = False,
                   k_splits: int | None = None, max_concurrent_steps: int = 4
-                  ) -> BFloat16[Array, "N R"]:
-    """The GPU kernel on rows already in the padded layout: ``Y^T`` ``[N, R]`` (bf16), columns
-    of padding rows 0 or undefined (never read back by :meth:`Padding.unpad_t`). ``w`` in the
+                  ) -> BFloat16[Array, "R N"]:
+    """The GPU kernel on rows already in the padded layout: ``Y`` ``[R, N]`` (bf16), rows of
+    padding rows 0 or undefined (never read back by :meth:`Padding.unpad`). ``w`` in the
     kernel form, possibly a stack with ``"at"``. ``k_splits``: default
-    :func:`mosaic_gpu.pick_k_splits`."""
+    :func:`mosaic_gpu.pick_k_splits`; with one split (a prefill) the kernel writes ``Y``'s
+    rows itself where :data:`ROWS_OUT`, else XLA transposes the kernel's ``Y^T``."""
     if not is_kernel_form(w):
         raise ValueError("grouped_matmul: the GPU kernel needs the kernel form of the experts "
                          "(prepare_experts)")
@@ -159,10 +165,13 @@ def padded_matmul(xp: BFloat16[Array, "R K"], w: dict, pad: Padding, *, interpre
         w = {k: w[k].reshape(-1, *w[k].shape[-2:]) for k in ("i4", "scale_t")}
     N, K = w["i4"].shape[-2:]
     splits = k_splits or mosaic_gpu.pick_k_splits(len(pad.dest), E, N, K)
-    yt = mosaic_gpu.grouped_matmul_t(xp, w, tile_expert, block_m=pad.block_m, k_splits=splits,
-                                     max_concurrent_steps=max_concurrent_steps,
-                                     interpret=interpret)
-    return yt if splits == 1 else jnp.sum(yt, axis=0).astype(BF16)
+    rows_out = ROWS_OUT and splits == 1
+    y = mosaic_gpu.grouped_matmul_t(xp, w, tile_expert, block_m=pad.block_m, k_splits=splits,
+                                    max_concurrent_steps=max_concurrent_steps,
+                                    rows_out=rows_out, interpret=interpret)
+    if rows_out:
+        return y
+    return (y if splits == 1 else jnp.sum(y, axis=0).astype(BF16)).T
 
 
 def grouped_matmul(x: BFloat16[Array, "P K"], w: dict, group_sizes: Int[Array, "E"], *,
@@ -193,6 +202,6 @@ def grouped_matmul(x: BFloat16[Array, "P K"], w: dict, group_sizes: Int[Array, "
         raise ValueError("grouped_matmul: the GPU kernel needs the kernel form of the experts "
                          "(prepare_experts)")
     pad = padding(group_sizes, x.shape[0], block_m)
-    yt = padded_matmul(pad.pad(x.astype(BF16)), w, pad, interpret=impls.interpret(impl),
+    y = padded_matmul(pad.pad(x.astype(BF16)), w, pad, interpret=impls.interpret(impl),
                        k_splits=k_splits, max_concurrent_steps=max_concurrent_steps)
-    return pad.unpad_t(yt).astype(BF16)
+    return pad.unpad(y).astype(BF16)

@@ -15,6 +15,12 @@ handful of tokens to each expert) while the weight tile fills wgmma's 64-row M. 
   of two are bf16 values), and
 * runs ``wgmma(acc, W_tile, X_tile^T)`` with fp32 accumulation.
 
+The finished ``[block_n, block_m]`` tile goes out through shared memory either as it is (the
+``Y^T [N, R]`` of the swap, ``rows_out=False``) or stored transposed into a ``[block_m,
+block_n]`` buffer and copied out as rows of ``Y [R, N]`` (``rows_out=True``, bf16 output
+only): the caller then reads each token's outputs as rows (coalesced) instead of gathering
+columns of ``Y^T``.
+
 The rows are laid out by :func:`pad_groups`: grouped by expert, each expert's rows padded to a
 multiple of ``block_m``, so every token tile belongs to one expert (a table gives it) and
 tiles past the last used one do nothing. Grid ``(tiles, N / 128, k_splits)``: when few experts
@@ -122,7 +128,7 @@ def pick_k_splits(rows: int, experts: int, n: int, k: int, sms: int = 132) -> in
 
 
 def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block_m,
-            k_splits, max_concurrent_steps):
+            k_splits, max_concurrent_steps, rows_out):
     a_smem = scratch[0] if scratch else None
     t = lax.axis_index("t")
     n = lax.axis_index("n")
@@ -165,22 +171,29 @@ def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_N, block_m), F32))
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_N, block_m), out_dtype))
+        tile = (block_m, BLOCK_N) if rows_out else (BLOCK_N, block_m)
+
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(tile, out_dtype))
         def _store(o_smem):
-            o_smem[...] = acc.astype(out_dtype)
+            if rows_out:            # the tile transposed on its way into shared memory
+                o_smem.T[...] = acc.astype(out_dtype)
+                dst = o_gmem.at[ks, pl.ds(t * block_m, block_m), pl.ds(n * BLOCK_N, BLOCK_N)]
+            else:
+                o_smem[...] = acc.astype(out_dtype)
+                dst = o_gmem.at[ks, pl.ds(n * BLOCK_N, BLOCK_N), pl.ds(t * block_m, block_m)]
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                o_smem, o_gmem.at[ks, pl.ds(n * BLOCK_N, BLOCK_N), pl.ds(t * block_m, block_m)])
+            plgpu.copy_smem_to_gmem(o_smem, dst)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array, "T"], *,
                      block_m: int, k_splits: int = 1, max_concurrent_steps: int = 4,
-                     interpret: bool = False) -> Array:
+                     rows_out: bool = False, interpret: bool = False) -> Array:
     """``Y^T`` for the padded layout: ``Y^T[:, r] = W[e(r)] @ x[r]`` (fp32 accumulation) for
     every row ``r`` of a used tile (``e(r) = tile_expert[r // block_m]``); the columns of
     unused tiles are left unwritten (their values are undefined). Returns bf16 ``[N, R]``,
     or with ``k_splits > 1`` the fp32 partial sums ``[k_splits, N, R]`` of each K split.
+    ``rows_out`` (``k_splits == 1`` only): ``Y`` itself, bf16 ``[R, N]`` (the same values).
 
     ``x``: bf16 ``[R, K]`` with ``R = T * block_m``; ``w``: the kernel form of
     :func:`prepare_experts`. Raises ``ValueError`` for shapes the kernel does not tile."""
@@ -196,9 +209,12 @@ def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array,
     if K % (BLOCK_K * k_splits) or N % BLOCK_N:
         raise ValueError(f"grouped_matmul_t: K={K} must be a multiple of {BLOCK_K} x "
                          f"k_splits={k_splits}, N={N} of {BLOCK_N}")
+    if rows_out and k_splits != 1:
+        raise ValueError(f"grouped_matmul_t: rows_out needs k_splits=1, got {k_splits}")
     kernel = functools.partial(_kernel, K=K, block_m=block_m, k_splits=k_splits,
-                               max_concurrent_steps=max_concurrent_steps)
-    out = jax.ShapeDtypeStruct((k_splits, N, R), BF16 if k_splits == 1 else F32)
+                               max_concurrent_steps=max_concurrent_steps, rows_out=rows_out)
+    out = jax.ShapeDtypeStruct((k_splits, R, N) if rows_out else (k_splits, N, R),
+                               BF16 if k_splits == 1 else F32)
     call = plgpu.kernel(
         kernel,
         out_type=out,
