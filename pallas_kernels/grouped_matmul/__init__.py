@@ -39,7 +39,8 @@ prepare_experts = mosaic_gpu.prepare_experts
 #: Whether the GPU kernel writes its output as rows ``Y [R, N]`` where it runs one K split (a
 #: prefill's calls; ``mosaic_gpu.grouped_matmul_t(rows_out=True)``), so that the MoE's combine
 #: gathers each token's outputs as rows. ``False``: the kernel writes ``Y^T`` and XLA
-#: transposes it (the layout before; an A/B switch).
+#: transposes it (the layout before). On an H100 at the mid shapes the rows are the same bits
+#: and the kernel plus combine take 0.19 ms instead of 0.54 (docs/benchmarks.md).
 ROWS_OUT = True
 
 
