@@ -112,66 +112,11 @@ SLOW_FIRST = ("test_sharding.py::", "test_draft_training.py::", "test_layer_grou
 PARITY_DIR = "test_parity.py::test_fixture_dir"
 
 
-# -- one persistent compilation cache for the whole run ----------------------------------------
-# Most of the suite's time is XLA compiling the tiny configs' programs, and the same programs
-# come back: in later modules of a worker (each module's compiled programs are released, above),
-# on the other worker, and in the subprocesses that run pytest or a script with this directory
-# inherited. So the run shares one JAX persistent cache (dsv41_jax.compile_cache.enable) in a
-# fresh temporary directory, made by the first process (the xdist controller, or a plain pytest)
-# and removed by it at the end; a program loaded from it is the program XLA compiled, bit for
-# bit. ``DSV41_TEST_COMPILE_CACHE=none`` turns it off; tests that measure compiling itself carry
-# the ``cold_compiles`` mark (the cache off while they run).
-TEST_CACHE_VAR = "DSV41_TEST_COMPILE_CACHE"
-_MADE_CACHE: list = []
-
-
-def _test_cache_dir() -> str | None:
-    import os
-    import tempfile
-    value = os.environ.get(TEST_CACHE_VAR, "")
-    if value.strip().lower() == "none":
-        return None
-    if not value:
-        value = tempfile.mkdtemp(prefix="dsv41-jax-test-cache-")
-        _MADE_CACHE.append(value)
-        os.environ[TEST_CACHE_VAR] = value       # inherited by the workers and subprocesses
-    return value
-
-
 def pytest_configure(config):
     # registered here too, so that a run without the plugin (-p no:xdist) does not warn
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker")
     config.addinivalue_line("markers", "annotations_unchecked: a test of input validation that "
                             "runs without the jaxtyping checks (see annotations_unchecked)")
-    config.addinivalue_line("markers", "cold_compiles: a test that measures XLA compiling "
-                            "(the run's persistent compilation cache off while it runs)")
-    directory = _test_cache_dir()
-    if directory is not None:
-        from dsv41_jax import compile_cache
-        compile_cache.enable(directory)
-
-
-def pytest_unconfigure(config):
-    import shutil
-    for directory in _MADE_CACHE:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def _cold_compiles_marker(request):
-    if request.node.get_closest_marker("cold_compiles") is None:
-        yield
-        return
-    import jax
-
-    from dsv41_jax import compile_cache
-    before = jax.config.jax_compilation_cache_dir
-    compile_cache.disable()
-    try:
-        yield
-    finally:
-        if before:
-            compile_cache.enable(before)
 
 
 def _slow_rank(item) -> int:

@@ -73,7 +73,6 @@ def test_random_params_device_matches_loader_tree(variant):
     assert _leaves(got) == _leaves(ref)
 
 
-@pytest.mark.cold_compiles     # it counts the compiles of its first calls
 def test_bench_prefill_tiny(tmp_path, capsys):
     """CED and exact on the tiny config, two lengths of one capacity, chunked: the warm-up
     compiles (the first length of each mode), the timed runs never do."""

@@ -10,7 +10,6 @@ import pytest
 from benchmarks import speculative
 
 
-@pytest.mark.cold_compiles     # it counts the compiles of its first calls
 def test_smoke_run_writes_every_case(tmp_path):
     out = tmp_path / "verify.json"
     assert speculative.main(["--config", "tiny", "--batches", "2", "--drafts", "3",
@@ -46,7 +45,6 @@ def test_refuses_empty_or_zero(flag, capsys):
         f"dsv41-bench-verify: error: {flag} must list integers >= 1"
 
 
-@pytest.mark.cold_compiles     # it counts the compiles of its first calls
 def test_synthetic_fill_is_the_default(tmp_path):
     out = tmp_path / "verify.json"
     assert speculative.main(["--config", "tiny", "--batches", "3", "--drafts", "2",

@@ -64,7 +64,6 @@ def test_targets(tool):
     assert e.value.code == 2
 
 
-@pytest.mark.cold_compiles     # it counts the compiles of its first calls
 def test_tiny_run_on_cpu(tool, tmp_path):
     """Each target compiles one program of the model's; its first call covers lowering and
     compiling; the phases and the dumped HLO are written."""
