@@ -30,8 +30,8 @@ from pallas_kernels import impls
 from pallas_kernels.fp4.reference import BF16, F32
 from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tpu
 
-__all__ = ["ROWS_OUT", "grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form", "dequant",
-           "kernel_form_values", "in_layer", "Padding", "padding", "pair_padding",
+__all__ = ["ROWS_OUT", "grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form",
+           "dequant", "kernel_form_values", "in_layer", "Padding", "padding", "pair_padding",
            "padded_matmul", "uses_kernel"]
 
 prepare_experts = mosaic_gpu.prepare_experts
