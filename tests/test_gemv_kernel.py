@@ -77,6 +77,42 @@ def test_act_quant_in_the_kernel(dtype):
     assert not np.allclose(plain, want, rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize("fma", [True, False])
+@pytest.mark.parametrize("act_quant, G, tune", [
+    (True, 1, {}), (False, 2, {"block_k": 128, "k_splits": 2}),
+    (True, 1, {"block_n": 64}), (False, 1, {"block_k": 64, "k_splits": 4})])
+def test_one_row_on_either_core(monkeypatch, fma, act_quant, G, tune):
+    """A one-row input on the CUDA cores (:data:`triton.FMA_ONE_ROW`, the default: products
+    added into a ``[32, block_k]`` accumulator, summed at the end) or in a 16-row tensor-core
+    tile equals the reference to summation order, with and without the act-quant, grouped,
+    split K and programs of 64 rows; a pair of weights too."""
+    rng = np.random.default_rng(7)
+    K, N, L = 512, 256, 2
+    w, s = _stack(rng, L, N, K)
+    x = jnp.asarray(rng.normal(0, 1, (1, G, K)) * 3.0,
+                    jnp.float32 if act_quant else jnp.bfloat16)
+    monkeypatch.setattr(gemv_triton, "FMA_ONE_ROW", fma)
+    jax.clear_caches()
+    try:
+        for layer in range(L):
+            want = np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(layer), act_quant=act_quant,
+                                            impl="xla"))
+            got = np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(layer), act_quant=act_quant,
+                                           impl="gpu_interpret", **tune))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        if G == 1:
+            w1, s1 = _stack(rng, L, 128, K)
+            y0, y1 = gemv.fp8_gemv_pair(x, w, s, w1, s1, jnp.int32(1), act_quant=act_quant,
+                                        impl="gpu_interpret")
+            for y, (ww, ss) in ((y0, (w, s)), (y1, (w1, s1))):
+                want = np.asarray(gemv.fp8_gemv(x, ww, ss, jnp.int32(1), act_quant=act_quant,
+                                                impl="xla"))
+                np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5,
+                                           atol=1e-5 * np.abs(want).max())
+    finally:
+        jax.clear_caches()
+
+
 def test_qdq_template_is_the_reference_convert():
     """:data:`triton.QDQ_PTX` (the hardware's RNE satfinite e4m3 convert and back) on the PTX
     emulator equals ``clip(y, +-448).astype(e4m3)`` for every bf16 value and for fp32 values

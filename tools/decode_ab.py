@@ -68,6 +68,8 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     # no small-rows multiply-reduce: stored FP8 / FP4 and int4 expert weights dequantised for
     # a GEMM (the int4 form's path before it took the multiply-reduce)
     "gemm_rows": {("dsv41_jax.layers.linear", "SMALL_ROWS"): 0},
+    # a one-row FP8 GEMV in a 16-row tensor-core tile (before it took the CUDA cores)
+    "gemv_tc": {("pallas_kernels.gemv.triton", "FMA_ONE_ROW"): False},
 }
 
 KEPT = ("ms_per_step", "ms_per_step_min", "ms_per_step_queued", "device_ms_per_step",
