@@ -77,21 +77,21 @@ def test_act_quant_in_the_kernel(dtype):
     assert not np.allclose(plain, want, rtol=1e-3, atol=0)
 
 
-@pytest.mark.parametrize("fma", [True, False])
+@pytest.mark.parametrize("M, fma_rows", [(1, 1), (1, 0), (3, 4), (4, 4)])
 @pytest.mark.parametrize("act_quant, G, tune", [
     (True, 1, {}), (False, 2, {"block_k": 128, "k_splits": 2}),
     (True, 1, {"block_n": 64}), (False, 1, {"block_k": 64, "k_splits": 4})])
-def test_one_row_on_either_core(monkeypatch, fma, act_quant, G, tune):
-    """A one-row input on the CUDA cores (:data:`triton.FMA_ONE_ROW`, the default: products
-    added into a ``[32, block_k]`` accumulator, summed at the end) or in a 16-row tensor-core
-    tile equals the reference to summation order, with and without the act-quant, grouped,
-    split K and programs of 64 rows; a pair of weights too."""
+def test_few_rows_on_either_core(monkeypatch, M, fma_rows, act_quant, G, tune):
+    """Inputs of up to :data:`triton.FMA_MAX_ROWS` rows on the CUDA cores (one row by default:
+    each row's products added into a ``[32, block_k]`` accumulator, summed at the end), or in a
+    16-row tensor-core tile, equal the reference to summation order, with and without the
+    act-quant, grouped, split K and programs of 64 rows; a pair of weights too."""
     rng = np.random.default_rng(7)
     K, N, L = 512, 256, 2
     w, s = _stack(rng, L, N, K)
-    x = jnp.asarray(rng.normal(0, 1, (1, G, K)) * 3.0,
+    x = jnp.asarray(rng.normal(0, 1, (M, G, K)) * 3.0,
                     jnp.float32 if act_quant else jnp.bfloat16)
-    monkeypatch.setattr(gemv_triton, "FMA_ONE_ROW", fma)
+    monkeypatch.setattr(gemv_triton, "FMA_MAX_ROWS", fma_rows)
     jax.clear_caches()
     try:
         for layer in range(L):
@@ -99,6 +99,7 @@ def test_one_row_on_either_core(monkeypatch, fma, act_quant, G, tune):
                                             impl="xla"))
             got = np.asarray(gemv.fp8_gemv(x, w, s, jnp.int32(layer), act_quant=act_quant,
                                            impl="gpu_interpret", **tune))
+            assert got.shape == (M, N)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         if G == 1:
             w1, s1 = _stack(rng, L, 128, K)

@@ -69,7 +69,9 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     # a GEMM (the int4 form's path before it took the multiply-reduce)
     "gemm_rows": {("dsv41_jax.layers.linear", "SMALL_ROWS"): 0},
     # a one-row FP8 GEMV in a 16-row tensor-core tile (before it took the CUDA cores)
-    "gemv_tc": {("pallas_kernels.gemv.triton", "FMA_ONE_ROW"): False},
+    "gemv_tc": {("pallas_kernels.gemv.triton", "FMA_MAX_ROWS"): 0},
+    # FP8 GEMVs of up to 4 rows on the CUDA cores (batch 2-4, a verify of 1-3 drafts)
+    "gemv_fma4": {("pallas_kernels.gemv.triton", "FMA_MAX_ROWS"): 4},
 }
 
 KEPT = ("ms_per_step", "ms_per_step_min", "ms_per_step_queued", "device_ms_per_step",

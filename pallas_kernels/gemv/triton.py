@@ -12,9 +12,10 @@ parts of the input dimension, in steps of ``block_k`` columns:
   or bf16), so the large tile is touched once;
 * accumulate ``x [tile, block_k] @ W^T`` in fp32 on the tensor cores (``tile`` = 16, 32 or
   64 input rows, :func:`tile_rows`; rows past the input's
-  masked to zero in the load: nothing is padded before the call); a one-row input
-  (:data:`FMA_ONE_ROW`) instead adds its products into a ``[32, block_k]`` fp32 accumulator on
-  the CUDA cores, summed over its columns after the last block.
+  masked to zero in the load: nothing is padded before the call); an input of at most
+  :data:`FMA_MAX_ROWS` rows (1 by default) instead adds each row's products into a
+  ``[32, block_k]`` fp32 accumulator on the CUDA cores, summed over its columns after the last
+  block.
 
 With ``act_quant`` the input tile is FP8-quantised and dequantised in registers first, per 32
 inputs as :func:`pallas_kernels.fp4.reference.act_quant_qdq` does (the amax's power-of-two
@@ -54,16 +55,16 @@ TARGET_PROGRAMS = 1024
 #: an H200, ``[8192, 4096]``: 19.3 us in 256 unsplit programs, 19.4 us in 4 x 256 programs
 #: plus the reduction).
 UNSPLIT_ROW_BLOCKS = 256
-#: A one-row input (a decode step of batch 1) multiplies on the CUDA cores instead of the
-#: tensor cores (False: a 16-row tensor-core tile as for 2-16 rows): each weight tile, converted and scaled in registers, is multiplied by the
-#: input's columns and added into a ``[32, block_k]`` fp32 accumulator per 32-row block, which
-#: is summed over its columns once at the end. No operand goes through shared memory for a
-#: matrix instruction, and a one-row product wastes none of a 16-row tile. On an H100 the
-#: `mid` batch-1 step went from 7.64 to 7.28 ms of device time with it (docs/benchmarks.md,
-#: "Decode step by op group").
-FMA_ONE_ROW = True
-#: The CUDA-core path's accumulator elements per program (``block_n x block_k``, 64 fp32
-#: registers a thread at 4 warps): it caps the default ``block_k``.
+#: Inputs of up to this many rows multiply on the CUDA cores instead of the tensor cores (0:
+#: never): each weight tile, converted and scaled in registers, is multiplied by each input
+#: row's columns and added into a ``[32, block_k]`` fp32 accumulator per row and 32-row block,
+#: summed over its columns once at the end. No operand goes through shared memory for a matrix
+#: instruction, and no rows of a 16-row tile are wasted. With 1 (a decode step of batch 1) the
+#: `mid` batch-1 step on an H100 went from 7.64 to 7.28 ms of device time (docs/benchmarks.md,
+#: "Decode step by op group"); 2-4 rows (small batches, a verify of 1-3 drafts) are untimed.
+FMA_MAX_ROWS = 1
+#: The CUDA-core path's accumulator elements per program (``rows x block_n x block_k``, 64
+#: fp32 registers a thread at 4 warps): it caps the default ``block_k``.
 FMA_ACC_ELEMENTS = 8192
 #: Smallest ``block_k``: with 32 (a tile of one scale column) the kernel's build segfaults on
 #: an H200 (jax 0.11.2; seen compiling the demo model's decode step, dim 32); 64 and 128 run.
@@ -137,10 +138,9 @@ def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, ro
                 act_quant, interpret):
     """The fp32 accumulators ``subs x [tile, BLOCK_N]`` of row block ``nb`` of one weight
     (``rows`` of the ``tile`` rows hold input)."""
-    block_n = subs * BLOCK_N
-    if rows == 1 and FMA_ONE_ROW:
+    if rows <= FMA_MAX_ROWS:
         return _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, g, block_k=block_k,
-                               n_k=n_k, subs=subs, tile=tile, act_quant=act_quant,
+                               n_k=n_k, subs=subs, rows=rows, tile=tile, act_quant=act_quant,
                                interpret=interpret)
 
     def step(i, accs):
@@ -155,10 +155,8 @@ def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, ro
             x = _act_qdq(x, interpret)          # exact in bf16
         out = []
         for j in range(subs):
-            w = w_ref[layer, pl.ds(nb * block_n + j * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)]
-            s = s_ref[layer, pl.ds(nb * subs + j, 1), pl.ds(k0 // 32, block_k // 32)].astype(I32)
-            sf = jax.lax.bitcast_convert_type(s << 23, F32)          # E8M0 -> 2**(u - 127)
-            xs = (x * repeat_columns(sf, 32)).astype(BF16)
+            w, sf = _weight_tile(layer, w_ref, s_ref, nb, j, k0, subs=subs, block_k=block_k)
+            xs = (x * sf).astype(BF16)
             wb = w.astype(F32 if interpret else BF16)
             xs = xs.astype(F32) if interpret else xs
             out.append(accs[j] + jax.lax.dot_general(xs, wb, (((1,), (1,)), ((), ())),
@@ -168,30 +166,48 @@ def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, ro
     return jax.lax.fori_loop(0, n_k, step, (jnp.zeros((tile, BLOCK_N), F32),) * subs)
 
 
-def _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, tile,
+def _weight_tile(layer, w_ref, s_ref, nb, j, k0, *, subs, block_k):
+    """The FP8 tile ``[32, block_k]`` of 32-row block ``j`` of row block ``nb`` at column
+    ``k0``, and its E8M0 scales as fp32 powers of two ``2**(u - 127)``, each repeated over its
+    32 columns (``[1, block_k]``)."""
+    w = w_ref[layer, pl.ds((nb * subs + j) * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)]
+    s = s_ref[layer, pl.ds(nb * subs + j, 1), pl.ds(k0 // 32, block_k // 32)].astype(I32)
+    return w, repeat_columns(jax.lax.bitcast_convert_type(s << 23, F32), 32)
+
+
+def _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, rows, tile,
                     act_quant, interpret):
-    """:func:`_accumulate` of one input row on the CUDA cores (:data:`FMA_ONE_ROW`): per 32-row
+    """:func:`_accumulate` on the CUDA cores (:data:`FMA_MAX_ROWS`): per input row and 32-row
     block an fp32 ``[32, block_k]`` accumulator of products, summed over its columns at the
-    end; returned as ``[tile, BLOCK_N]`` tiles whose every row holds the sums (the store
-    keeps row 0)."""
-    block_n = subs * BLOCK_N
+    end; returned as ``[tile, BLOCK_N]`` tiles holding row ``m``'s sums in row ``m``."""
 
     def step(i, accs):
         k0 = (ks * n_k + i) * block_k
-        x = x_ref[0, g, pl.ds(k0, block_k)][None, :].astype(F32)
-        if act_quant:
-            x = _act_qdq(x, interpret)          # exact in bf16
+        xs = []
+        for m in range(rows):
+            x = x_ref[m, g, pl.ds(k0, block_k)][None, :].astype(F32)
+            xs.append(_act_qdq(x, interpret) if act_quant else x)      # exact in bf16
         out = []
         for j in range(subs):
-            w = w_ref[layer, pl.ds(nb * block_n + j * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)]
-            s = s_ref[layer, pl.ds(nb * subs + j, 1), pl.ds(k0 // 32, block_k // 32)].astype(I32)
-            sf = jax.lax.bitcast_convert_type(s << 23, F32)          # E8M0 -> 2**(u - 127)
-            xs = (x * repeat_columns(sf, 32)).astype(BF16).astype(F32)     # exact
-            out.append(accs[j] + w.astype(F32) * xs)
+            w, sf = _weight_tile(layer, w_ref, s_ref, nb, j, k0, subs=subs, block_k=block_k)
+            wf = w.astype(F32)
+            out.append(tuple(accs[j][m] + wf * (x * sf).astype(BF16).astype(F32)   # exact
+                             for m, x in enumerate(xs)))
         return tuple(out)
 
-    accs = jax.lax.fori_loop(0, n_k, step, (jnp.zeros((BLOCK_N, block_k), F32),) * subs)
-    return tuple(jnp.broadcast_to(jnp.sum(a, axis=1)[None, :], (tile, BLOCK_N)) for a in accs)
+    zero = jnp.zeros((BLOCK_N, block_k), F32)
+    accs = jax.lax.fori_loop(0, n_k, step, ((zero,) * rows,) * subs)
+    if rows == 1:
+        return tuple(jnp.broadcast_to(jnp.sum(a[0], axis=1)[None, :], (tile, BLOCK_N))
+                     for a in accs)
+    pick = jnp.arange(tile)[:, None]
+    tiles = []
+    for a in accs:
+        t = jnp.zeros((tile, BLOCK_N), F32)
+        for m in range(rows):
+            t = jnp.where(pick == m, jnp.sum(a[m], axis=1)[None, :], t)
+        tiles.append(t)
+    return tuple(tiles)
 
 
 def _store(o_ref, accs, rows, tile):
@@ -316,10 +332,10 @@ def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps
     out_rows = M if tile == ROWS else tile
     sizes = [w.shape[1] for w, _ in weights]
     N = sum(sizes)
-    fma = M == 1 and FMA_ONE_ROW
+    fma = M <= FMA_MAX_ROWS
     block_k, k_splits = config(N, K, block_k, k_splits, block_n,
-                               max_block_k=FMA_ACC_ELEMENTS // block_n if fma
-                               else 512 * ROWS // tile)
+                               max_block_k=max(FMA_ACC_ELEMENTS // (M * block_n), MIN_BLOCK_K)
+                               if fma else 512 * ROWS // tile)
     n_k = K // block_k // k_splits
     x = x if act_quant else x.astype(BF16)
     first_blocks = tuple(int(b) for b in np.cumsum([0] + sizes[:-1]) // block_n)
