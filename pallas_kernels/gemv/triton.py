@@ -61,7 +61,8 @@ UNSPLIT_ROW_BLOCKS = 256
 #: summed over its columns once at the end. No operand goes through shared memory for a matrix
 #: instruction, and no rows of a 16-row tile are wasted. With 1 (a decode step of batch 1) the
 #: `mid` batch-1 step on an H100 went from 7.64 to 7.28 ms of device time (docs/benchmarks.md,
-#: "Decode step by op group"); 2-4 rows (small batches, a verify of 1-3 drafts) are untimed.
+#: "Decode step by op group"); with 4 the batch-4 step is 1.6x slower than on the tensor cores
+#: (docs/kernels.md, "FP8 stacked GEMV").
 FMA_MAX_ROWS = 1
 #: The CUDA-core path's accumulator elements per program (``rows x block_n x block_k``, 64
 #: fp32 registers a thread at 4 warps): it caps the default ``block_k``.

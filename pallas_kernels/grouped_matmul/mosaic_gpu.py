@@ -211,6 +211,23 @@ def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array,
                          f"k_splits={k_splits}, N={N} of {BLOCK_N}")
     if rows_out and k_splits != 1:
         raise ValueError(f"grouped_matmul_t: rows_out needs k_splits=1, got {k_splits}")
+    y = _call(tile_expert.astype(jnp.int32), x.astype(BF16), i4, s, block_m=block_m,
+              k_splits=k_splits, max_concurrent_steps=max_concurrent_steps, rows_out=rows_out,
+              interpret=interpret)
+    return y[0] if k_splits == 1 else y
+
+
+# Jitted so that the call sites of one shape (every MoE layer of a scanned group, the encoder's
+# and the bounded replay's) share one lowering: JAX lowers a jitted function once per program
+# and XLA inlines the calls, where each bare kernel call would be lowered to Mosaic GPU anew
+# (about 0.3 s of a first call's host time each).
+@functools.partial(jax.jit, static_argnames=("block_m", "k_splits", "max_concurrent_steps",
+                                             "rows_out", "interpret"))
+def _call(tile_expert, x, i4, s, *, block_m, k_splits, max_concurrent_steps, rows_out,
+          interpret):
+    _, N, K = i4.shape
+    T = tile_expert.shape[0]
+    R = x.shape[0]
     kernel = functools.partial(_kernel, K=K, block_m=block_m, k_splits=k_splits,
                                max_concurrent_steps=max_concurrent_steps, rows_out=rows_out)
     out = jax.ShapeDtypeStruct((k_splits, R, N) if rows_out else (k_splits, N, R),
@@ -227,5 +244,4 @@ def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array,
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    y = call(tile_expert.astype(jnp.int32), x.astype(BF16), i4, s)
-    return y[0] if k_splits == 1 else y
+    return call(tile_expert, x, i4, s)
