@@ -191,6 +191,11 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
       the shapes; the routed MoE (``moe_impl="routed"``) then runs every routed pair through
       that kernel, a decode step streaming only the selected experts' weights. ``"stored"``:
       as ``linears`` says. ``"auto"``: ``"kernel"`` on an NVIDIA GPU, ``"stored"`` elsewhere.
+      The kernel-form experts of every scanned layer are pooled into one stack,
+      ``params["routed_experts"]`` (``[layers, E, ...]``), each layer keeping its index in it
+      (``{"pool_at": ...}`` in place of its experts): every grouped-matmul call of one shape
+      then reads the same array, so the program holds one kernel per shape, not one per
+      layer group (:class:`_ExpertPool`; docs/architecture.md, "Scanned layer groups").
 
     * ``donate``: the raw tree's device arrays are deleted as they are used, and each layer's
       prepared arrays once they are stacked, so the peak is the prepared tree plus about one
@@ -236,15 +241,18 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
         return y
 
     groups = []
+    pool = _ExpertPool() if experts == "kernel" else None
     for g in plan.groups:
         runs = []
         for start, length in g.runs:
             members = [prepared(u[start + j]) for u in g.units for j in range(length)]
-            runs.append(jax.tree.map(functools.partial(stack, (len(g.units), length)),
-                                     *members))
+            run = jax.tree.map(functools.partial(stack, (len(g.units), length)), *members)
             del members
+            runs.append(pool.take(run, donate) if pool is not None else run)
         groups.append(tuple(runs))
     out["layer_groups"] = tuple(groups)
+    if pool is not None and pool.parts:
+        out[POOLED_EXPERTS] = pool.stack()
     if linears == "stored" and "head" in out:
         head = out["head"]["weight"]
         out["head"] = {**out["head"], "weight": _bf16_if_exact(head)}
@@ -259,6 +267,116 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
         if donate:
             _release(ds, keep | {id(a) for a in jax.tree.leaves(out["dspark"])})
     return out
+
+
+#: Key of the pooled kernel-form routed experts in the prepared tree (:class:`_ExpertPool`).
+POOLED_EXPERTS = "routed_experts"
+_EXPERT_LINEARS = ("w1", "w2", "w3")
+
+
+class _ExpertPool:
+    """The kernel-form routed experts of the scanned runs, gathered into one stack per leaf
+    (``{w1, w2, w3} x {i4, scale_t}``, ``[layers, E, ...]``) by :func:`prepare_params`.
+
+    Why: the grouped matmul's Mosaic GPU kernel takes the stack it reads in place, and the
+    stack's length is part of the kernel's type; with one stack per run, each layer group's
+    calls compiled a kernel of their own (about a second each in a first call). With one pool,
+    the calls of one shape share a kernel.
+
+    Memory: each run's experts go to the device's host memory a layer at a time as soon as the
+    run is stacked (``pinned_host``; the device copy is freed), and come back into one device
+    buffer at the end, a layer at a time: the device holds the pool plus one layer's experts
+    at most.
+    A run whose experts are split over several devices (the sliced loader on a mesh) keeps its
+    own stack; traced leaves (``jax.eval_shape``) are concatenated."""
+
+    def __init__(self):
+        self.parts: list[dict] = []
+        self.count = 0
+        self.traced = False
+
+    def take(self, run: dict, donate: bool) -> dict:
+        """``run`` with its kernel-form experts moved into the pool and replaced by
+        ``{"pool_at": int32 [units, layers]}`` (their layers' indices in the pool); a run
+        without such experts, or whose experts lie on several devices, as it is."""
+        ffn = run.get("ffn")
+        ex = ffn.get("experts") if isinstance(ffn, dict) else None
+        if not isinstance(ex, dict) or not all(
+                isinstance(ex.get(w), dict) and grouped_matmul.is_kernel_form(ex[w])
+                and set(ex[w]) == {"i4", "scale_t"} for w in _EXPERT_LINEARS):
+            return run
+        leaves = jax.tree.leaves(ex)
+        traced = any(isinstance(a, jax.core.Tracer) for a in leaves)
+        if not traced and not all(isinstance(a, jax.Array)
+                                  and len(a.sharding.device_set) == 1 for a in leaves):
+            return run
+        units, layers = ex["w1"]["i4"].shape[:2]
+        n = units * layers
+        flat = {w: {k: v.reshape(n, *v.shape[2:]) for k, v in ex[w].items()}
+                for w in _EXPERT_LINEARS}
+        if traced:
+            self.parts.append(flat)
+            self.traced = True
+        else:       # a layer at a time: the device holds one layer's copy more at most
+            self.parts.extend(jax.tree.map(lambda v, i=i: _to_host_memory(v[i:i + 1]), flat)
+                              for i in range(n))
+            if donate:
+                _release(ex, set())
+        at = np.arange(self.count, self.count + n, dtype=np.int32).reshape(units, layers)
+        self.count += n
+        return {**run, "ffn": {**ffn, "experts": {"pool_at": jnp.asarray(at)}}}
+
+    def stack(self) -> dict:
+        """The pool: one device array per leaf, ``[layers, E, ...]``."""
+        if self.traced:
+            return jax.tree.map(lambda *a: jnp.concatenate(a), *self.parts)
+        first = self.parts[0]
+        device = next(iter(jax.tree.leaves(first)[0].sharding.device_set))
+        pool = _pool_zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            (self.count, *a.shape[1:]), a.dtype), first), device)
+        on_device = jax.sharding.SingleDeviceSharding(device,
+                                                      memory_kind=device.default_memory().kind)
+        base = 0
+        for i, part in enumerate(self.parts):
+            n = jax.tree.leaves(part)[0].shape[0]
+            pool = _pool_write(pool, jax.device_put(part, on_device), np.int32(base))
+            self.parts[i] = None
+            base += n
+        return pool
+
+
+def _to_host_memory(a: jax.Array) -> jax.Array:
+    """``a`` in its device's pinned host memory (where the backend has it; else as it is)."""
+    try:
+        return jax.device_put(a, a.sharding.with_memory_kind(sharding.HOST_MEMORY_KIND))
+    except (ValueError, RuntimeError):
+        return a
+
+
+def _pool_zeros(shapes, device):
+    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                   out_shardings=jax.sharding.SingleDeviceSharding(
+                       device, memory_kind=device.default_memory().kind))()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _pool_write(pool, part, base):
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, base, 0),
+                        pool, part)
+
+
+def _pooled(p: dict, pool: dict | None) -> dict:
+    """A layer's parameters with ``{"pool_at": index}`` experts (:class:`_ExpertPool`) replaced
+    by the pool handed on whole with the index (``"at"``), as a run's own stack would be."""
+    ffn = p.get("ffn")
+    ex = ffn.get("experts") if isinstance(ffn, dict) else None
+    if not isinstance(ex, dict) or "pool_at" not in ex:
+        return p
+    if pool is None:
+        raise ValueError("the layer's routed experts are pooled (prepare_params) but the "
+                         f"parameters have no {POOLED_EXPERTS!r}")
+    return {**p, "ffn": {**ffn, "experts": {w: {**pool[w], "at": ex["pool_at"]}
+                                            for w in _EXPERT_LINEARS}}}
 
 
 def _release(tree, keep: set[int]):
@@ -291,13 +409,16 @@ def _stacked(shape: tuple[int, ...], *arrays):
 
 
 def layer_params(prepared, cfg: ModelConfig, layer: int) -> dict:
-    """One layer's parameters out of :func:`prepare_params`' stacked groups."""
+    """One layer's parameters out of :func:`prepare_params`' stacked groups (pooled routed
+    experts as the pool with the layer's index, ``{"w1": {"i4": ..., "scale_t": ..., "at":
+    index}, ...}``, the form the MoE reads in place)."""
     for g, runs in zip(LayerPlan.from_config(cfg).groups, prepared["layer_groups"]):
         for u, unit in enumerate(g.units):
             if layer in unit:
                 j = unit.index(layer)
                 r = max(k for k, (start, _) in enumerate(g.runs) if start <= j)
-                return jax.tree.map(lambda a: a[u, j - g.runs[r][0]], runs[r])
+                p = jax.tree.map(lambda a: a[u, j - g.runs[r][0]], runs[r])
+                return _pooled(p, prepared.get(POOLED_EXPERTS))
     raise ValueError(f"layer {layer} is outside the model's {cfg.n_layers} layers")
 
 
@@ -386,7 +507,8 @@ def _pin_stacked(tree):
     if isinstance(tree, dict):
         if "fp8" in tree or grouped_matmul.is_kernel_form(tree) or _in_host_memory(tree):
             return None, tree
-        pairs = {k: (v, None) if k == "experts" and not grouped_matmul.is_kernel_form(v["w1"])
+        pairs = {k: (v, None) if k == "experts" and "w1" in v
+                 and not grouped_matmul.is_kernel_form(v["w1"])
                  else _pin_stacked(v) for k, v in tree.items()}
         return {k: a for k, (a, _) in pairs.items()}, {k: b for k, (_, b) in pairs.items()}
     return None, tree
@@ -439,7 +561,7 @@ def _topk_width(cfg: ModelConfig, source: st.KVSource) -> int:
 
 def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_mix, ch: Chunk,
                state: st.InferenceState, bus: Bus, extras: dict, collect: bool,
-               skip_kv_layer: int):
+               skip_kv_layer: int, pool: dict | None = None):
     """One :class:`LayerGroup`: a ``lax.scan`` over its units (parameters and state slices
     stacked along the units), each unit's runs of Reuse layers an inner ``lax.scan``
     (docs/architecture.md, "Scanned layer groups"). Returns ``(X, pre_mix, state, bus,
@@ -470,6 +592,7 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
 
     def layer(p, X, pre_mix, role, ls, bus, layer_id):
         rec = {} if collect else None
+        p = _pooled(p, pool)
         X, pre_mix, ls, bus = block(
             p, X, pre_mix, role, cfg, ch, ls, bus,
             engram_ids=extras["engram_ids"].get(role.layer) if role.engram else None,
@@ -560,7 +683,8 @@ def _run_blocks(params, cfg, plan, groups, X, pre_mix, ch, state, bus, extras, r
         g = plan.groups[gi]
         X, pre_mix, state, bus, rec = _run_group(g, params["layer_groups"][gi], plan, cfg, X,
                                                  pre_mix, ch, state, bus, extras,
-                                                 records is not None, skip_kv_layer)
+                                                 records is not None, skip_kv_layer,
+                                                 params.get(POOLED_EXPERTS))
         if records is not None:
             records.update(rec)
     return X, pre_mix, state, bus

@@ -236,11 +236,16 @@ def _path_str(path) -> str:
 def param_logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
     """The logical axes of the parameter at ``path`` (``"layer_groups/0/1/attn/wq_b/dq"``) of
     rank ``ndim``, by :data:`PARAM_RULES`: a layer group's leaf starts with two ``"stack"``
-    axes. Raises ``ValueError`` where a rule's rank does not fit the leaf's."""
+    axes, a leaf of the pooled routed experts (``"routed_experts/w1/i4"``, ``[layers, E, N,
+    K]``: :func:`dsv41_jax.model.prepare_params`) with one, its rule that of a layer's experts.
+    Raises ``ValueError`` where a rule's rank does not fit the leaf's."""
     lead: tuple[str | None, ...] = ()
     m = re.fullmatch(r"layer_groups/\d+/\d+/(.*)", path)
     if m:
         path, lead = m.group(1), ("stack", "stack")
+    m = re.fullmatch(r"routed_experts/(.*)", path)    # the pooled experts: [layers, E, ...]
+    if m:
+        path, lead = "ffn/experts/" + m.group(1), ("stack",)
     for pattern, axes in PARAM_RULES:
         if re.fullmatch(pattern, path):
             if len(lead) + len(axes) != ndim:

@@ -5,6 +5,8 @@ its GPU build, and the model running its routed MoE on kernel-form experts."""
 
 from __future__ import annotations
 
+import re
+
 from unittest import mock
 
 import jax
@@ -309,6 +311,20 @@ def test_model_kernel_form(kernel_cfg_params):
     kernel = model.prepare_params(params, cfg, experts="kernel")
     leaves = jax.tree_util.tree_leaves_with_path(kernel)
     assert any("i4" in jax.tree_util.keystr(p) for p, _ in leaves)
+    # every layer's experts pooled into one stack, each run keeping its layers' indices
+    plan = model.LayerPlan.from_config(cfg)
+    n_layers = sum(len(u) for g in plan.groups for u in g.units)
+    pool = kernel["routed_experts"]
+    assert pool["w1"]["i4"].shape == (n_layers, cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim)
+    at = sorted(int(i) for runs in kernel["layer_groups"] for run in runs
+                for i in np.asarray(run["ffn"]["experts"]["pool_at"]).ravel())
+    assert at == list(range(n_layers))
+    seen = set()
+    for L in range(cfg.n_layers):    # a layer's view: the pool with the layer's index
+        lp = model.layer_params(kernel, cfg, L)["ffn"]["experts"]
+        assert set(lp) == {"w1", "w2", "w3"} and lp["w2"]["i4"] is pool["w2"]["i4"]
+        seen.add(int(lp["w1"]["at"]))
+    assert seen == set(range(n_layers))
     raw = random_params_device(cfg, 0)
     donated = model.prepare_params(raw, cfg, experts="kernel", donate=True)
     assert all(a.is_deleted() for a in jax.tree.leaves(raw["layers"][0]["ffn"]["experts"]))
@@ -337,13 +353,14 @@ def test_model_decode_lowers_with_kernel(kernel_cfg_params):
     small = max(b for b in range(1, 65) if moe_layer.gathered(b, k, cfg.n_routed_experts))
     big = small + 1
     assert not moe_layer.gathered(big, k, cfg.n_routed_experts)
-    counts = {}
+    counts, funcs = {}, {}
     for batch in (1, small, big):
         s = st.init_state(cfg, batch, 32)
         with mock.patch("pallas_kernels.impls.on_gpu", lambda backend=None: True):
             text = h200_export(model.decode_fn(cfg, attn_impl="xla", moe_impl="routed"),
                                kernel, s, jnp.zeros((batch,), jnp.int32)).mlir_module()
         counts[batch] = text.count("fp4_grouped_matmul")
+        funcs[batch] = len(re.findall(r"func\.func private @_kernel_call", text))
     assert counts[1] == 0 and counts[small] == 0 and counts[big] > 0
     with mock.patch("pallas_kernels.impls.on_gpu", lambda backend=None: True), \
             mock.patch.object(moe_layer, "GATHERED_ON_KERNEL", True):
@@ -352,6 +369,9 @@ def test_model_decode_lowers_with_kernel(kernel_cfg_params):
                            jnp.zeros((1,), jnp.int32)).mlir_module()
     # the few-pairs path: the routed path's three kernels per MoE layer body
     assert text.count("fp4_grouped_matmul") == counts[big]
+    # one kernel for every call: the layers' experts are one pooled stack (w1, w2 and w3 all
+    # 128 x 128 here), so the calls of every layer group share one lowering
+    assert funcs[big] == 1 and len(re.findall(r"func\.func private @_kernel_call", text)) == 1
 
 
 def test_benchmark_rows():

@@ -191,6 +191,10 @@ def test_param_logical_axes():
                                                             None)
     assert ax("head/weight", 2) == ("vocab", "embed")
     assert ax("layer_groups/0/0/attn/wkv/dq", 4) == ("stack", "stack", None, None)  # latent
+    # the kernel-form experts pooled by prepare_params: [layers, E, ...], split over experts
+    assert ax("routed_experts/w1/i4", 4) == ("stack", "experts", None, None)
+    assert ax("routed_experts/w2/scale_t", 4) == ("stack", "experts", None, None)
+    assert ax("layer_groups/0/1/ffn/experts/pool_at", 2) == ("stack", "stack")
     with pytest.raises(ValueError, match="rank"):
         ax("layer_groups/0/0/attn/attn_sink", 4)
     one = sharding.make_mesh(devices=jax.devices()[:1])

@@ -211,7 +211,7 @@ def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array,
                          f"k_splits={k_splits}, N={N} of {BLOCK_N}")
     if rows_out and k_splits != 1:
         raise ValueError(f"grouped_matmul_t: rows_out needs k_splits=1, got {k_splits}")
-    y = _call(tile_expert.astype(jnp.int32), x.astype(BF16), i4, s, block_m=block_m,
+    y = _kernel_call(tile_expert.astype(jnp.int32), x.astype(BF16), i4, s, block_m=block_m,
               k_splits=k_splits, max_concurrent_steps=max_concurrent_steps, rows_out=rows_out,
               interpret=interpret)
     return y[0] if k_splits == 1 else y
@@ -223,7 +223,7 @@ def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array,
 # (about 0.3 s of a first call's host time each).
 @functools.partial(jax.jit, static_argnames=("block_m", "k_splits", "max_concurrent_steps",
                                              "rows_out", "interpret"))
-def _call(tile_expert, x, i4, s, *, block_m, k_splits, max_concurrent_steps, rows_out,
+def _kernel_call(tile_expert, x, i4, s, *, block_m, k_splits, max_concurrent_steps, rows_out,
           interpret):
     _, N, K = i4.shape
     T = tile_expert.shape[0]
