@@ -195,7 +195,7 @@ def prepare_params(params, cfg: ModelConfig, linears: str = "auto", experts: str
       ``params["routed_experts"]`` (``[layers, E, ...]``), each layer keeping its index in it
       (``{"pool_at": ...}`` in place of its experts): every grouped-matmul call of one shape
       then reads the same array, so the program holds one kernel per shape, not one per
-      layer group (:class:`_ExpertPool`; docs/architecture.md, "Scanned layer groups").
+      layer group (:class:`_ExpertPool`; docs/architecture.md, "Mixture of experts").
 
     * ``donate``: the raw tree's device arrays are deleted as they are used, and each layer's
       prepared arrays once they are stacked, so the peak is the prepared tree plus about one
