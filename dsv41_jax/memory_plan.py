@@ -389,7 +389,9 @@ def plan(cfg, *, batch: int, context: int, devices: int = 1, engram: str = "devi
     host = {"Engram tables": weights["engram_tables"] if engram == "host" else 0,
             "load: one layer's Engram tables again while prepare_params stacks them": (
                 _largest_layer_tables(shapes) if engram == "host" else 0),
-            "streamed load: one block (min(largest tensor, 1 GiB)) x 3": 3 * block}
+            "streamed load: one block (min(largest tensor, 1 GiB)) x 3": 3 * block,
+            "load on one GPU: the routed experts in pinned host memory while prepare_params "
+            "pools them": weights["routed_experts"] if devices == 1 else 0}
     return {
         "config": config_name, "batch": batch, "context": context, "chunk": min(chunk, context),
         "devices": devices, "mesh": mesh, "engram": engram, "device_gb": device_gb,

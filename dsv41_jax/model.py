@@ -287,8 +287,10 @@ class _ExpertPool:
     run is stacked (``pinned_host``; the device copy is freed), and come back into one device
     buffer at the end, a layer at a time: the device holds the pool plus one layer's experts
     at most.
-    A run whose experts are split over several devices (the sliced loader on a mesh) keeps its
-    own stack; traced leaves (``jax.eval_shape``) are concatenated."""
+    The pinned host memory holds all the routed experts meanwhile (``memory_plan``'s ``host``).
+    A run whose experts are split over several devices (the sliced loader on a mesh), or on a
+    device without pinned host memory, keeps its own stack; traced leaves
+    (``jax.eval_shape``) are concatenated."""
 
     def __init__(self):
         self.parts: list[dict] = []
@@ -307,19 +309,23 @@ class _ExpertPool:
             return run
         leaves = jax.tree.leaves(ex)
         traced = any(isinstance(a, jax.core.Tracer) for a in leaves)
-        if not traced and not all(isinstance(a, jax.Array)
-                                  and len(a.sharding.device_set) == 1 for a in leaves):
+        if not traced and not all(isinstance(a, jax.Array) and len(a.sharding.device_set) == 1
+                                  and _has_host_memory(a) for a in leaves):
             return run
         units, layers = ex["w1"]["i4"].shape[:2]
         n = units * layers
-        flat = {w: {k: v.reshape(n, *v.shape[2:]) for k, v in ex[w].items()}
-                for w in _EXPERT_LINEARS}
         if traced:
-            self.parts.append(flat)
+            self.parts.append({w: {k: v.reshape(n, *v.shape[2:]) for k, v in ex[w].items()}
+                               for w in _EXPERT_LINEARS})
             self.traced = True
-        else:       # a layer at a time: the device holds one layer's copy more at most
-            self.parts.extend(jax.tree.map(lambda v, i=i: _to_host_memory(v[i:i + 1]), flat)
-                              for i in range(n))
+        else:
+            # a layer at a time, each copy finished before the next: the device holds one
+            # layer's experts more at most
+            for u in range(units):
+                for j in range(layers):
+                    part = jax.tree.map(lambda v: _to_host_memory(v[u, j:j + 1]),
+                                        {w: ex[w] for w in _EXPERT_LINEARS})
+                    self.parts.append(jax.block_until_ready(part))
             if donate:
                 _release(ex, set())
         at = np.arange(self.count, self.count + n, dtype=np.int32).reshape(units, layers)
@@ -339,18 +345,22 @@ class _ExpertPool:
         base = 0
         for i, part in enumerate(self.parts):
             n = jax.tree.leaves(part)[0].shape[0]
-            pool = _pool_write(pool, jax.device_put(part, on_device), np.int32(base))
+            pool = jax.block_until_ready(
+                _pool_write(pool, jax.device_put(part, on_device), np.int32(base)))
             self.parts[i] = None
             base += n
         return pool
 
 
+def _has_host_memory(a: jax.Array) -> bool:
+    """Whether ``a``'s device has pinned host memory (:data:`sharding.HOST_MEMORY_KIND`)."""
+    device = next(iter(a.sharding.device_set))
+    return any(m.kind == sharding.HOST_MEMORY_KIND for m in device.addressable_memories())
+
+
 def _to_host_memory(a: jax.Array) -> jax.Array:
-    """``a`` in its device's pinned host memory (where the backend has it; else as it is)."""
-    try:
-        return jax.device_put(a, a.sharding.with_memory_kind(sharding.HOST_MEMORY_KIND))
-    except (ValueError, RuntimeError):
-        return a
+    """``a`` in its device's pinned host memory."""
+    return jax.device_put(a, a.sharding.with_memory_kind(sharding.HOST_MEMORY_KIND))
 
 
 def _pool_zeros(shapes, device):
