@@ -353,9 +353,12 @@ class _ExpertPool:
 
 
 def _has_host_memory(a: jax.Array) -> bool:
-    """Whether ``a``'s device has pinned host memory (:data:`sharding.HOST_MEMORY_KIND`)."""
-    device = next(iter(a.sharding.device_set))
-    return any(m.kind == sharding.HOST_MEMORY_KIND for m in device.addressable_memories())
+    """Whether ``a``'s device has pinned host memory (:func:`sharding.host_memory_kind`)."""
+    try:
+        sharding.host_memory_kind(next(iter(a.sharding.device_set)))
+    except ValueError:
+        return False
+    return True
 
 
 def _to_host_memory(a: jax.Array) -> jax.Array:
