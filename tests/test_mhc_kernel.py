@@ -1,4 +1,4 @@
-"""mHC's sublayer glue (:mod:`pallas_kernels.mhc`): the two Triton kernels in interpret mode
+"""mHC's sublayer glue (:mod:`pallas_kernels.mhc`): the Triton kernels in interpret mode
 against the jnp reference, their build for an H200, the refusals, and a decode step running
 them."""
 
@@ -61,49 +61,6 @@ def _assert_bf16_close(got, want, name, scale=4.0):
     assert close.all() and (d == 0).mean() >= 0.999, (name, d.max(), (d == 0).mean())
 
 
-@pytest.mark.parametrize("T, D, with_post", [
-    (1, 2048, False), (1, 2048, True),      # a decode step of batch 1 at the mid width
-    (3, 128, True), (16, 64, False),        # a ragged row block; one full block
-    (40, 128, False), (40, 2048, True),     # 16-row blocks, the third ragged (8 rows)
-])
-def test_interpret_matches_reference(T, D, with_post):
-    """``X`` and ``input`` within one bf16 ulp of the (jitted) reference and bitwise equal in at
-    least 99.9% of the elements (XLA's CPU fusions contract some of hc_post's products and sums
-    into FMAs, differently in the kernel's and the reference's programs); the coefficients,
-    compared with the reference run on the kernel's ``X``, within a few fp32 ulps (the mixes'
-    sums over ``D`` run in chunks; the Sinkhorn amplifies ulp differences a few times)."""
-    X, st, pre_prev, fn, scale, base, w = _inputs(T, D, seed=T + D)
-    streams = st if with_post else X
-    got = mhc.sublayer_glue(streams, pre_prev, fn, scale, base, w, impl="gpu_interpret", **KW)
-    want = _xla(streams, pre_prev, fn, scale, base, w)
-    assert [a.shape for a in got] == [a.shape for a in want]
-    assert [a.dtype for a in got] == [a.dtype for a in want]
-    if with_post:
-        _assert_bf16_close(got[0], want[0], "X")
-    else:
-        np.testing.assert_array_equal(_f32(got[0]), _f32(X))
-    # the head and the norm on the same X: only the summation order differs
-    same_x = _xla(got[0], pre_prev, fn, scale, base, w)
-    _assert_bf16_close(got[1], same_x[1], "input")
-    # the mixes' dot products (summed partials): within 2 ulps of the sum of |terms|
-    parts = mhc_triton.partials(streams, pre_prev, fn, hc=HC, interpret=True)[-1]
-    xf = _f32(got[0]).reshape(T, HC * D).astype(np.float64)
-    exact = xf @ np.asarray(fn, np.float64).T
-    bound = np.abs(xf) @ np.abs(np.asarray(fn, np.float64)).T
-    total = np.asarray(parts).sum(0)                   # [M + 2, T]
-    assert (np.abs(total[:-2].T - exact) <= 2 * 2.0 ** -24 * bound).all()
-    x2 = total[-2]
-    np.testing.assert_allclose(x2, (xf * xf).sum(-1), rtol=2e-6, atol=0)
-    # pre, post, comb in [0, 2]: absolute tolerances (a sigmoid near 0 or a Sinkhorn turns the
-    # mixes' ulps into larger relative ones)
-    # pre, post, comb in [0, 2]: absolute tolerances of what 4 fp32 ulps of the largest mix
-    # (times scale) give after a sigmoid, or the softmax and the Sinkhorn (derivatives < 2)
-    mix_max = np.abs(exact).max() / np.sqrt((xf * xf).mean(-1)).min()
-    for name, a, b in zip(("pre", "post", "comb"), got[2:], same_x[2:]):
-        err = np.abs(_f32(a) - _f32(b)).max()
-        assert err <= 2 * 1.3 * 4 * 2.0 ** -24 * mix_max + 2.0 ** -23, (name, err)
-
-
 @pytest.mark.parametrize("impl", ["gpu_interpret", "xla"])
 @pytest.mark.parametrize("with_post", [False, True])
 def test_stacked_parameters_read_at_their_layer(impl, with_post):
@@ -145,29 +102,10 @@ def test_stacked_parameters_refused_when_inconsistent():
         glue(fn, scales, bases, ws, layer=jnp.int32(0))
 
 
-def test_mix_groups_equal_per_mix_reductions(monkeypatch):
-    """The mixes MIX_GROUP at a time (one product tile and one reduction per group) against
-    one reduction per mix (the path of ``M < MIX_GROUP``): the same results to the
-    summation order, with a ragged last group (``MIX_GROUP = 16``: groups at 0 and 8)."""
-    X, st, pre, fn, scale, base, w = _inputs(1, 256, seed=9)
-    outs = []
-    for group in (8, 16, 64):
-        monkeypatch.setattr(mhc_triton, "MIX_GROUP", group)
-        jax.clear_caches()
-        outs.append(mhc.sublayer_glue(st, pre, fn, scale, base, w, impl="gpu_interpret", **KW))
-    jax.clear_caches()
-    want = outs[-1]
-    for got in outs[:-1]:
-        _assert_bf16_close(got[0], want[0], "X")
-        _assert_bf16_close(got[1], want[1], "input")
-        for a, b in zip(got[2:], want[2:]):
-            np.testing.assert_allclose(_f32(a), _f32(b), rtol=0, atol=2e-6)
-
-
 def test_hc_post_and_pre_in_the_formula_order():
-    """With products exact (dyadic inputs) no FMA contraction can change a result: ``X`` and
-    ``input`` equal the reference bit for bit, on two blocks of rows (T = 70, the second
-    ragged) and the last row's values processed."""
+    """With products exact (dyadic inputs) no FMA contraction can change a result: ``X``
+    equals the reference bit for bit on 70 rows (the split kernel's one block of 128 ragged),
+    ``input`` within one bf16 ulp, and the last row's values processed."""
     T, D = 70, 128
     rng = np.random.default_rng(1)
     X, (y, _, _, _), _, fn, scale, base, w = _inputs(T, D, seed=1)
@@ -180,18 +118,13 @@ def test_hc_post_and_pre_in_the_formula_order():
     np.testing.assert_array_equal(_f32(got[0]), _f32(want[0]))
     _assert_bf16_close(got[1], want[1], "input")
     np.testing.assert_allclose(_f32(got[4]), _f32(want[4]), rtol=0, atol=2e-5)
-    assert mhc_triton.block_rows(T) == 16 and np.abs(_f32(got[1])[-1]).sum() > 0
+    assert np.abs(_f32(got[1])[-1]).sum() > 0 and np.abs(_f32(got[4])[-1]).sum() > 0
 
 
-def test_block_sizes():
-    assert [mhc_triton.block_rows(T) for T in (1, 2, 3, 16, 17, 64, 4096)] == [
-        1, 2, 4, 16, 16, 16, 16]
-    # a decode step's rows: chunks of 64 for programs enough; more rows, the product tile
-    assert mhc_triton.mix_chunk(2048, 1) == 64 and mhc_triton.mix_chunk(5120, 1) == 64
-    assert mhc_triton.mix_chunk(64, 1) == 64 and mhc_triton.mix_chunk(8192, 1) == 128
-    assert mhc_triton.mix_chunk(8192, 16) == 64 and mhc_triton.mix_chunk(5120, 64) == 64
-    assert mhc_triton.chunk(5120, 16, mhc_triton.NORM_TILE) == 256
-    assert mhc_triton.chunk(2048, 1, mhc_triton.NORM_TILE) == 2048
+def test_chunks():
+    """The row kernel's chunks: the largest power of two dividing ``D`` within the tile."""
+    assert [mhc_triton.row_chunk(D, 4) for D in (64, 320, 2048, 5120, 7168, 8192)] == [
+        64, 64, 2048, 1024, 1024, 2048]
 
 
 def test_refusals():
@@ -227,21 +160,18 @@ def test_refusals():
 
 
 def test_auto_dispatch():
-    """``"auto"``: XLA on a CPU; on a GPU the kernels up to MAX_ROWS rows, XLA above; by
-    default (MAX_ROWS 0, until timed on the H200) XLA at every size."""
+    """``"auto"``: XLA on a CPU; on a GPU the kernels up to MAX_ROWS rows (64), XLA above."""
     X, _, pre, fn, scale, base, w = _inputs(3, 64)
-    assert mhc.MAX_ROWS == 0
+    assert mhc.MAX_ROWS == 64
     with mock.patch.object(mhc.triton, "sublayer_glue", side_effect=RuntimeError("kernel")):
         mhc.sublayer_glue(X, pre, fn, scale, base, w, **KW)
         with mock.patch.object(impls, "on_gpu", lambda backend=None: True):
-            mhc.sublayer_glue(X, pre, fn, scale, base, w,                # off by default
-                              **{**KW, "iters": 1})
-            with mock.patch.object(mhc, "MAX_ROWS", 64):
-                with pytest.raises(RuntimeError, match="kernel"):
-                    mhc.sublayer_glue(X, pre, fn, scale, base, w, **KW)
-                X, _, pre, fn, scale, base, w = _inputs(mhc.MAX_ROWS + 1, 64)
-                mhc.sublayer_glue(X, pre, fn, scale, base, w, impl="auto",
-                                  **{**KW, "iters": 1})
+            with pytest.raises(RuntimeError, match="kernel"):
+                mhc.sublayer_glue(X, pre, fn, scale, base, w, **KW)
+            with mock.patch.object(mhc, "MAX_ROWS", 0):                  # off
+                mhc.sublayer_glue(X, pre, fn, scale, base, w, **{**KW, "iters": 1})
+            X, _, pre, fn, scale, base, w = _inputs(mhc.MAX_ROWS + 1, 64)
+            mhc.sublayer_glue(X, pre, fn, scale, base, w, impl="auto", **{**KW, "iters": 1})
 
 
 def _count(text: str) -> dict:
@@ -253,16 +183,18 @@ def _count(text: str) -> dict:
 @pytest.mark.parametrize("T, D", [(1, 5120), (64, 5120), (40, 2048), (100, 64)])
 @pytest.mark.parametrize("with_post", [False, True])
 def test_kernels_lower_for_h200(T, D, with_post):
-    """The glue is exactly two Triton calls: no pad, scatter, concatenate or
-    dynamic_update_slice around them (ragged row blocks masked in the kernels)."""
+    """The glue is exactly two Triton calls and the mixes' product: no pad, scatter,
+    concatenate or dynamic_update_slice around them (ragged row blocks masked in the
+    kernels)."""
     X, st, pre, fn, scale, base, w = _inputs(T, D)
     ex = h200_export(lambda *a: mhc_triton.sublayer_glue(*a, **KW),
                      st if with_post else X, pre, fn, scale, base, w)
     text = ex.mlir_module()
     assert _count(text) == {"triton": 2, "stablehlo.pad": 0, "dynamic_update_slice": 0,
                             "scatter": 0, "stablehlo.concatenate": 0}
+    assert text.count("stablehlo.dot_general") == 1
     names = re.findall(r'name = "([a-z0-9_]+)"', text)
-    assert "mhc_glue_partials" in names and "mhc_glue_finish" in names
+    assert "mhc_glue_rows" in names and "mhc_glue_split" in names
     assert [a.shape for a in ex.out_avals] == [(T, 1, HC, D), (T, 1, D), (T, 1, HC),
                                                (T, 1, HC), (T, 1, HC, HC)]
 
@@ -293,14 +225,14 @@ def test_decode_step_runs_the_kernels_on_a_gpu():
             text = h200_export(step, p, state, tokens).mlir_module()
         names = re.findall(r'name = "([a-z0-9_]+)"', text)
         counts[on] = (text.count("__gpu$xla.gpu.triton"), len(re.findall(r"= stablehlo\.", text)),
-                      names.count("mhc_glue_partials"), names.count("mhc_glue_finish"),
+                      names.count("mhc_glue_rows"), names.count("mhc_glue_split"),
                       names.count("sinkhorn_pairs"))
-    print("decode step (triton calls, stablehlo ops, partials, finish, sinkhorn):", counts)
-    # each kernel defined once per variant (with / without hc_post), called from the layers'
-    # scan bodies; the Sinkhorn pairs now run inside the finishing kernel
+    print("decode step (triton calls, stablehlo ops, rows, split, sinkhorn):", counts)
+    # the row kernel defined once per variant (with / without hc_post), the split kernel once,
+    # called from the layers' scan bodies; the Sinkhorn pairs run inside the split kernel
     assert counts[False][2:] == (0, 0, 1)
-    assert counts[True][2:] == (2, 2, 0)
-    assert counts[True][0] == counts[False][0] - 1 + 4
+    assert counts[True][2:] == (2, 1, 0)
+    assert counts[True][0] == counts[False][0] - 1 + 3
     assert counts[True][1] < counts[False][1]
 
 
@@ -310,7 +242,7 @@ def test_decode_step_in_interpret_mode_matches_xla():
     cfg, p, state, step = _tiny_decode()
     tokens = jnp.asarray([3, 7], jnp.int32)
     want = np.asarray(jax.jit(step)(p, state, tokens)[0])
-    real, _finish = mhc.sublayer_glue, mhc.triton._finish_kernel
+    real, spy = mhc.sublayer_glue, mhc.triton._split_kernel
 
     def interpret(*a, impl="auto", **k):
         return real(*a, impl="gpu_interpret", **k)
@@ -318,9 +250,8 @@ def test_decode_step_in_interpret_mode_matches_xla():
     jax.clear_caches()
     calls = []
     with mock.patch.object(mhc, "sublayer_glue", interpret), \
-            mock.patch.object(mhc.triton, "_finish_kernel",
-                              side_effect=lambda *a, **k: calls.append(1)
-                              or _finish(*a, **k)):
+            mock.patch.object(mhc.triton, "_split_kernel",
+                              side_effect=lambda *a, **k: calls.append(1) or spy(*a, **k)):
         got = np.asarray(jax.jit(model.decode_fn(cfg, attn_impl="xla"))(p, state, tokens)[0])
     assert calls                                       # the kernels ran
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())

@@ -2,7 +2,7 @@
 the switches that choose a kernel or a program layout at trace time (docs/benchmarks.md,
 "End-to-end", the table of module switches).
 
-    python tools/decode_ab.py --variants base,loop,mhc --out ab_b1.json              # GPU
+    python tools/decode_ab.py --variants base,loop,mhc_off --out ab_b1.json              # GPU
     python tools/decode_ab.py --variants base,gemv16 --batch 64 --out ab_b64.json      # GPU
     python tools/decode_ab.py --variants "base,scans=dsv41_jax.model.UNROLL_DECODE_RUNS:'never'"
     python tools/decode_ab.py --tiny --variants base,loop --context 200               # CPU smoke
@@ -56,12 +56,8 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     "copyring": {("dsv41_jax.layers.attention", "RING_IN_PLACE"): False},
     "nopair": {("dsv41_jax.layers.linear", "PAIRED_GEMV"): False},
     "gemv16": {("pallas_kernels.gemv", "AUTO_MAX_ROWS"): 16},
-    "mhc": {("pallas_kernels.mhc", "MAX_ROWS"): 64},
-    "mhc_wide": {("pallas_kernels.mhc", "MAX_ROWS"): 64,
-                 ("pallas_kernels.mhc.triton", "TARGET_PROGRAMS"): 1},
-    "mhc_w1": {("pallas_kernels.mhc", "MAX_ROWS"): 64,
-               ("pallas_kernels.mhc.triton", "PARTIALS_WARPS"): 1,
-               ("pallas_kernels.mhc.triton", "FINISH_WARPS"): 1},
+    "mhc_off": {("pallas_kernels.mhc", "MAX_ROWS"): 0},
+    "mhc_rows_w4": {("pallas_kernels.mhc.triton", "ROW_WARPS"): 4},
     "routed16": {("dsv41_jax.layers.moe", "GATHERED_PAIRS"): 16},
     "gather_all": {("dsv41_jax.layers.moe", "GATHERED_REREADS"): float("inf")},
     "pairs_kernel": {("dsv41_jax.layers.moe", "GATHERED_ON_KERNEL"): True},
