@@ -163,8 +163,8 @@ def _split_kernel(layer_ref, mix_ref, sq_ref, scale_ref, base_ref, pre_out, post
 @functools.partial(jax.jit, static_argnames=("hc", "norm_eps", "interpret"))
 def rows(streams, pre_prev, norm_weight, *, hc: int, norm_eps: float, layer=None,
          interpret: bool = False):
-    """The row kernel, one program per row: ``(X bf16 [T, hc, D], input bf16 [T, D], sumsq
-    fp32 [T])`` with ``X = hc_post(*streams)`` for a tuple (else ``streams``), ``input =
+    """The row kernel, one program per row of ``*batch``: ``(X bf16 [*batch, hc, D], input
+    bf16 [*batch, D], sumsq fp32 [*batch])`` with ``X = hc_post(*streams)`` for a tuple (else ``streams``), ``input =
     rms_norm(hc_pre(X, pre_prev), norm_weight)`` and ``sumsq = sum f32(X)^2`` over the row's
     ``hc * D`` values. ``norm_weight``: ``[D]``, or with ``layer`` a stack ``[L, D]``."""
     with_post = isinstance(streams, tuple)
