@@ -51,6 +51,17 @@ def sinkhorn_split(mixes: Float[Array, "... M"], scale: Float[Array, "3"], base:
     return pre, post, c
 
 
+def head_products(x: Float[Array, "*batch C D"], fn: Float[Array, "M CD"]
+                  ) -> Float[Array, "*batch M"]:
+    """The coefficient head's dot products, not yet normalised: ``f32(X) @ fn^T`` over the
+    flattened streams (fp32, HIGHEST). Also the GPU glue's product between its two kernels.
+
+    See docs/architecture.md, "mHC: hyper-connections".
+    """
+    xf = x.astype(F32).reshape(*x.shape[:-2], -1)
+    return jnp.einsum("...k,mk->...m", xf, fn, precision=HIGHEST, preferred_element_type=F32)
+
+
 def hc_mixes(x: Float[Array, "B S C D"], fn: Float[Array, "M CD"], scale, base, *, hc: int,
              iters: int, hc_eps: float, norm_eps: float, impl: str = "auto",
              loop: bool | None = None):
@@ -60,7 +71,7 @@ def hc_mixes(x: Float[Array, "B S C D"], fn: Float[Array, "M CD"], scale, base, 
     See docs/architecture.md, "mHC: hyper-connections".
     """
     xf = x.astype(F32).reshape(*x.shape[:-2], -1)
-    mixes = jnp.einsum("...k,mk->...m", xf, fn, precision=HIGHEST, preferred_element_type=F32)
+    mixes = head_products(x, fn)
     mixes = mixes * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
     return sinkhorn_split(mixes, scale, base, hc, iters, hc_eps, impl=impl, loop=loop)
 

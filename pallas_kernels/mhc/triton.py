@@ -30,6 +30,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.mhc import reference
 from pallas_kernels.sinkhorn.triton import block_rows as sinkhorn_block_rows
 from pallas_kernels.sinkhorn.triton import divide, run_pairs
 
@@ -234,10 +235,7 @@ def sublayer_glue(streams, pre_prev, fn, scale, base, norm_weight, *, hc: int, i
                           layer=layer, interpret=interpret)
     if layer is not None:
         fn = jax.lax.dynamic_index_in_dim(fn, layer, keepdims=False)
-    D = X.shape[-1]
-    xf = X.astype(F32).reshape(*X.shape[:-2], hc * D)
-    mixes = jnp.einsum("...k,mk->...m", xf, fn, precision=jax.lax.Precision.HIGHEST,
-                       preferred_element_type=F32)
-    pre, post, comb = split(mixes, sumsq, scale, base, hc=hc, iters=iters, hc_eps=hc_eps,
-                            norm_eps=norm_eps, n=hc * D, layer=layer, interpret=interpret)
+    pre, post, comb = split(reference.head_products(X, fn), sumsq, scale, base, hc=hc,
+                            iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, n=hc * X.shape[-1],
+                            layer=layer, interpret=interpret)
     return X, x_in, pre, post, comb
