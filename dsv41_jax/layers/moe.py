@@ -233,7 +233,11 @@ GATHERED_REREADS = 24.0
 #: the pairs' experts read in place) instead of gathering the experts' weights and
 #: dequantising them to bf16 (:func:`_routed_experts`). Off until it is timed against the
 #: gathered path on the H200 (``.carry``'s decode A/B); the two agree up to the summation
-#: order inside each product (tests/test_grouped_matmul.py).
+#: order inside each product (tests/test_grouped_matmul.py). Counted without a GPU
+#: (``tools/gpu_launches.py``, ``mid`` decode at batch 1, H200): 2,008 launches per step with
+#: it against 1,912 without (the MoE's 536 against 400: the padding, the activation
+#: quantisations and the three projections stay separate kernels);
+#: docs/results/deviceless_launches_mid_gathered_on_kernel.json.
 GATHERED_ON_KERNEL = False
 
 
