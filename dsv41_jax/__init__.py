@@ -29,7 +29,8 @@ import platform as _platform
 def cpu_library_fusion(cpu_flags: str, machine: str) -> str:
     """The value of ``--xla_cpu_experimental_ynn_fusion_type`` for a host: ``"individual_dot"``
     on an x86 CPU without AVX-512 (``avx512f`` missing from ``cpu_flags``, the ``flags`` line
-    of ``/proc/cpuinfo``), else ``""`` (no YNNPACK fusion). ``machine``: ``platform.machine()``.
+    of ``/proc/cpuinfo``; also where that file is missing, so the flags are unknown), else
+    ``""`` (no YNNPACK fusion). ``machine``: ``platform.machine()``.
     See the module docstring and docs/architecture.md, "XLA flags"."""
     x86 = machine.lower() in ("x86_64", "amd64", "i686", "i386")
     return "individual_dot" if x86 and "avx512f" not in cpu_flags.split() else ""
