@@ -165,9 +165,9 @@ def _split_kernel(layer_ref, mix_ref, sq_ref, scale_ref, base_ref, pre_out, post
 def rows(streams, pre_prev, norm_weight, *, hc: int, norm_eps: float, layer=None,
          interpret: bool = False):
     """The row kernel, one program per row of ``*batch``: ``(X bf16 [*batch, hc, D], input
-    bf16 [*batch, D], sumsq fp32 [*batch])`` with ``X = hc_post(*streams)`` for a tuple (else ``streams``), ``input =
-    rms_norm(hc_pre(X, pre_prev), norm_weight)`` and ``sumsq = sum f32(X)^2`` over the row's
-    ``hc * D`` values. ``norm_weight``: ``[D]``, or with ``layer`` a stack ``[L, D]``."""
+    bf16 [*batch, D], sumsq fp32 [*batch])`` with ``X = hc_post(*streams)`` for a tuple (else
+    ``streams``), ``input = rms_norm(hc_pre(X, pre_prev), norm_weight)`` and ``sumsq = sum
+    f32(X)^2`` over the row's ``hc * D`` values. ``norm_weight``: ``[D]``, or with ``layer`` a stack ``[L, D]``."""
     with_post = isinstance(streams, tuple)
     x = streams[1] if with_post else streams
     *batch, _, D = x.shape
