@@ -61,6 +61,10 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     "routed16": {("dsv41_jax.layers.moe", "GATHERED_PAIRS"): 16},
     "gather_all": {("dsv41_jax.layers.moe", "GATHERED_REREADS"): float("inf")},
     "pairs_kernel": {("dsv41_jax.layers.moe", "GATHERED_ON_KERNEL"): True},
+    # a few tokens' experts through the two gathered-experts kernels, or through XLA (gathered
+    # weights, multiply-reduce fusions)
+    "gathered_kernels": {("dsv41_jax.layers.moe", "GATHERED_KERNELS"): True},
+    "gathered_xla": {("dsv41_jax.layers.moe", "GATHERED_KERNELS"): False},
     # no small-rows multiply-reduce: stored FP8 / FP4 and int4 expert weights dequantised for
     # a GEMM (the int4 form's path before it took the multiply-reduce)
     "gemm_rows": {("dsv41_jax.layers.linear", "SMALL_ROWS"): 0},

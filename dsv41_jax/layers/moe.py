@@ -18,7 +18,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax import quant
 from dsv41_jax.layers.linear import dequant_weight, is_quantized, linear, linear_pair
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
-from pallas_kernels import grouped_matmul
+from pallas_kernels import gathered_experts, grouped_matmul
 
 
 def _softplus(z):
@@ -240,6 +240,20 @@ GATHERED_REREADS = 24.0
 #: docs/results/deviceless_launches_mid_gathered_on_kernel.json.
 GATHERED_ON_KERNEL = False
 
+#: Whether a few-pairs call (:func:`gathered`) with kernel-form experts on a GPU runs the two
+#: gathered-experts kernels (:mod:`pallas_kernels.gathered_experts`: the pairs' FP4 weights
+#: read in place, the activations quantised in registers, SwiGLU and the routing weight in
+#: the first kernel, each pair's ``w2`` in the second, the fp32 sum in increasing expert id
+#: fused by XLA with the shared expert's addition) instead of the XLA path
+#: (:func:`_routed_experts`: the pairs' weights gathered, the projections as multiply-reduce
+#: fusions, some ten launches a layer). The same sums up to the order inside each product.
+#: Off until the current kernels are timed: the first version (byte loads, one program per
+#: token in the second kernel) cut a ``mid`` decode step of batch 1 from 1,823 to 1,583
+#: launches on an H100 but added 0.29 ms of device time (6.97 -> 7.26 ms), while batch 4
+#: gained 0.35 ms (10.26 -> 9.91 ms) (docs/benchmarks.md, "Gathered FP4 experts"; A/B:
+#: ``tools/decode_ab.py --variants gathered_xla,gathered_kernels``).
+GATHERED_KERNELS = False
+
 
 def expected_rereads(n_tokens: int, k: int, n_exp: int) -> float:
     """Expected expert weight reads of the gathered path beyond one per routed expert, for
@@ -312,6 +326,13 @@ def _routed_sum(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
         return _grouped_experts(x, experts, idx, w, limit)
     if few and GATHERED_ON_KERNEL and grouped_matmul.uses_kernel(experts["w1"]):
         return _pair_experts(x, experts, idx, w, limit)
+    if (few and GATHERED_KERNELS and grouped_matmul.uses_kernel(experts["w1"])
+            and gathered_experts.kernel_fits(experts["w1"], experts["w2"])):
+        order = ascending_order(idx)
+        return gathered_experts.gathered_experts(
+            x, experts["w1"], experts["w3"], experts["w2"],
+            jnp.take_along_axis(idx, order, axis=-1), jnp.take_along_axis(w, order, axis=-1),
+            limit)
     experts = {name: grouped_matmul.in_layer(v) for name, v in experts.items()}
     if few:
         return _routed_experts(x, experts, idx, w, limit)

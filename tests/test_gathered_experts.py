@@ -1,0 +1,172 @@
+"""The gathered FP4 experts (:mod:`pallas_kernels.gathered_experts`): the two Triton kernels
+in interpret mode against the pure-jnp reference, the MoE sublayer through them against the
+XLA gathered path, and the GPU build of a decode step."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv41_jax  # noqa: F401  (XLA numerics flag before JAX starts)
+from pallas_kernels import gathered_experts as ge
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.gathered_experts import reference, triton
+
+LIMIT = 10.0
+
+
+def _stack(rng, L, E, N, K):
+    """A kernel-form stack of ``L`` layers of ``E`` random FP4 experts ``[N, K]``, and the
+    stored form ``(codes, scale)`` it was made from."""
+    codes = rng.integers(0, 256, (L, E, N, K // 2), dtype=np.uint8)
+    scale = rng.integers(122, 131, (L, E, N, K // 32), dtype=np.uint8)
+    w = jax.vmap(gm.prepare_experts)(jnp.asarray(codes), jnp.asarray(scale))
+    return w, (codes, scale)
+
+
+def _case(rng, L=2, E=8, D=256, I=128, T=3, k=3, at=1):
+    w1, w3, w2 = (_stack(rng, L, E, *shape)[0] for shape in ((I, D), (I, D), (D, I)))
+    for w in (w1, w3, w2):
+        w["at"] = jnp.int32(at)
+    x = jnp.asarray(rng.normal(0, 1, (T, D)), jnp.bfloat16)
+    ids = np.stack([np.sort(rng.choice(E, k, replace=False)) for _ in range(T)])
+    route_w = jnp.asarray(rng.uniform(0.05, 1.0, (T, k)), jnp.float32)
+    return x, w1, w3, w2, jnp.asarray(ids, jnp.int32), route_w
+
+
+def _close(got, want):
+    """Equal up to the fp32 summation order of exact products: within one bf16 rounding of
+    each expert's output, most values bit for bit."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert not np.isnan(got).any()
+    tol = np.abs(want) * 2.0 ** -7 + 1e-5 * np.abs(want).max()
+    assert (np.abs(got - want) <= tol).all()
+    assert np.mean(got == want) > 0.9
+
+
+def test_up_kernel_is_the_reference_bit_for_bit_on_exact_sums():
+    """With an input of small integers (exact after the FP8 QDQ) and unit scales every sum
+    of the up kernel is exact, so the activations equal the reference's bit for bit, whatever
+    the order: the weight decode (both nibbles, the signs), the strided halves, the clamps,
+    SwiGLU and the routing weight, for experts of another layer of the stack (``"at"``)."""
+    rng = np.random.default_rng(0)
+    L, E, D, I, T, k = 2, 4, 256, 128, 2, 2
+    codes = rng.integers(0, 256, (L, E, I, D // 2), dtype=np.uint8)
+    ones = np.full((L, E, I, D // 32), 127, np.uint8)
+    w1 = {**jax.vmap(gm.prepare_experts)(jnp.asarray(codes), jnp.asarray(ones)),
+          "at": jnp.int32(1)}
+    w3 = {**jax.vmap(gm.prepare_experts)(jnp.asarray(codes[:, ::-1]), jnp.asarray(ones)),
+          "at": jnp.int32(1)}
+    x = jnp.asarray(rng.integers(-8, 9, (T, D)), jnp.bfloat16)
+    ids = jnp.asarray([[0, 3], [1, 3]], jnp.int32)
+    route_w = jnp.asarray([[0.5, 0.25], [1.0, 0.75]], jnp.float32)
+    want = reference.up(x, w1, w3, ids, route_w, LIMIT)
+    b1, s1 = triton.as_bytes(w1)
+    b3, s3 = triton.as_bytes(w3)
+    got = triton.up(x, b1, s1, b3, s3, ids.reshape(-1) + E, route_w.reshape(-1), k=k,
+                    limit=LIMIT, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want))
+    assert np.abs(np.asarray(want)).max() > LIMIT / 2       # the clamps were reached
+    assert (np.asarray(want) < 0).any() and (np.asarray(want) > 0).any()
+
+
+@pytest.mark.parametrize("T, k, limit, at", [(1, 6, LIMIT, 0), (3, 3, LIMIT, 1), (5, 2, 0.0, 1)])
+def test_kernels_match_the_reference(T, k, limit, at):
+    """Both kernels in interpret mode against the reference: one token (a decode step of
+    batch 1), tokens sharing experts, no SwiGLU limit; within one bf16 rounding."""
+    rng = np.random.default_rng(T * 10 + k)
+    x, w1, w3, w2, ids, route_w = _case(rng, E=8, T=T, k=k, at=at)
+    want = ge.gathered_experts(x, w1, w3, w2, ids, route_w, limit, impl="xla")
+    got = ge.gathered_experts(x, w1, w3, w2, ids, route_w, limit, impl="gpu_interpret")
+    assert got.shape == (T, x.shape[1]) and got.dtype == jnp.float32
+    _close(got, want)
+
+
+def test_moe_through_the_kernels_equals_the_gathered_xla_path():
+    """:func:`dsv41_jax.layers.moe._routed_sum` of a few tokens on kernel-form experts in a
+    stack (the GPU path, kernels in interpret mode) equals the XLA gathered path on the
+    stored form: the ascending expert order and the routing weights handed on right."""
+    from dsv41_jax.layers import moe as moe_layer
+    rng = np.random.default_rng(3)
+    L, E, D, I, layer = 3, 8, 128, 128, 2
+    stacks = {name: _stack(rng, L, E, *((I, D) if name != "w2" else (D, I)))
+              for name in ("w1", "w3", "w2")}
+    kernel = {name: {**w, "at": jnp.int32(layer)} for name, (w, _) in stacks.items()}
+    stored = {name: {"fp4": jnp.asarray(c[layer]), "scale": jnp.asarray(s[layer])}
+              for name, (_, (c, s)) in stacks.items()}
+    x = jnp.asarray(rng.normal(0, 1, (2, D)), jnp.bfloat16)
+    idx = jnp.asarray([[5, 1, 3], [0, 5, 2]], jnp.int32)       # top-k order, not ascending
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (2, 3)), jnp.float32)
+    assert moe_layer.gathered(2, 3, E)
+    want = moe_layer._routed_sum(x, stored, idx, w, E, "routed", LIMIT)
+    calls = []
+    real = ge.gathered_experts
+
+    def interpret(*a, impl="auto", **kw):
+        calls.append(impl)
+        return real(*a, impl="gpu_interpret", **kw)
+
+    with mock.patch.object(gm, "uses_kernel", lambda w, impl="auto": True), \
+            mock.patch.object(ge, "gathered_experts", interpret), \
+            mock.patch.object(moe_layer, "GATHERED_KERNELS", True):
+        got = moe_layer._routed_sum(x, kernel, idx, w, E, "routed", LIMIT)
+        with mock.patch.object(moe_layer, "GATHERED_KERNELS", False):
+            off = moe_layer._routed_sum(x, kernel, idx, w, E, "routed", LIMIT)
+    assert calls == ["auto"]
+    _close(got, want)
+    np.testing.assert_array_equal(np.asarray(off), np.asarray(want))
+
+
+def test_blocks():
+    assert triton.pick_blocks(6, 512, 2048) == (16, 512)        # mid w1 at batch 1
+    assert triton.pick_blocks(6, 2048, 512) == (16, 512)        # mid w2 at batch 1
+    assert triton.pick_blocks(48, 2304, 5120) == (64, 512)      # release w1 at batch 8
+    with pytest.raises(ValueError, match="block_n=48"):
+        triton.pick_blocks(6, 512, 2048, block_n=48)
+    with pytest.raises(ValueError, match="block_k=32"):
+        triton.pick_blocks(6, 512, 2048, block_k=32)
+    rng = np.random.default_rng(1)
+    x, w1, w3, w2, ids, route_w = _case(rng)
+    with pytest.raises(ValueError, match="kernel-form"):
+        ge.gathered_experts(x, {"fp4": None}, w3, w2, ids, route_w, LIMIT, impl="gpu")
+    with pytest.raises(ValueError, match="impl"):
+        ge.gathered_experts(x, w1, w3, w2, ids, route_w, LIMIT, impl="triton")
+
+
+def test_decode_step_lowers_with_the_kernels():
+    """A decode step at batch 1 with kernel-form experts, built for an H200: the two kernels
+    in every MoE layer body and no gathered copy of the experts' packed weights."""
+    from dsv41_jax import model, state as st
+    from dsv41_jax.layers import moe as moe_layer
+    from dsv41_jax.random_weights import random_params_device
+    from configs_util import scanned_tiny_config
+    from gpu_export_util import h200_export
+    cfg = scanned_tiny_config().replace(dim=128, moe_inter_dim=128)
+    params = model.prepare_params(random_params_device(cfg, 0), cfg, experts="kernel")
+    with mock.patch("pallas_kernels.impls.on_gpu", lambda backend=None: True), \
+            mock.patch.object(moe_layer, "GATHERED_KERNELS", True):
+        text = h200_export(model.decode_fn(cfg, attn_impl="xla", moe_impl="routed"),
+                           params, st.init_state(cfg, 1, 32),
+                           jnp.zeros((1,), jnp.int32)).mlir_module()
+    assert text.count("gathered_experts_up") > 0
+    assert text.count("gathered_experts_up") == text.count("gathered_experts_down")
+    assert "fp4_grouped_matmul" not in text
+
+
+def test_benchmark_smoke(tmp_path):
+    """``python -m benchmarks.gathered_experts`` on CPU (the interpret-mode kernels): a row's
+    JSON with the kernels' outputs equal to XLA's; an unknown row is refused."""
+    import json
+    from benchmarks import gathered_experts as bench
+    assert bench.parse_row("rel b8") == (384, 5120, 2304, 8)
+    assert bench.main(["--rows", "mid b0x"]) == 2
+    out = tmp_path / "ge.json"
+    assert bench.main(["--rows", "tiny b2", "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["name"] == "tiny b2" and row["time_basis"] == "wall"
+    assert row["max_err"] < 2.0 ** -7 and row["bitwise_frac"] > 0.9
+    assert row["experts_hit"] >= 6 and row["kernels_us"] > 0 and row["xla_us"] > 0
