@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.fp4.common import exp2_int
 from pallas_kernels.fp4.reference import FP8_MAX, _pow2_ceil_exponent
-from pallas_kernels.gemv.triton import QDQ_PTX
+from pallas_kernels.gemv.triton import e4m3_nearest
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 #: Programs a launch aims for: ``block_n`` is the widest of :data:`BLOCK_NS` that still gives
@@ -62,17 +62,8 @@ def _qdq_halves(xe, xo, interpret: bool):
     e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
     inv, s = exp2_int(-e)[:, None], exp2_int(e)[:, None]
 
-    def qdq(b):
-        y = b * inv                                   # b / 2**e, exact
-        if interpret:
-            q = jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(F32)
-        else:
-            [q] = pltr.elementwise_inline_asm(
-                QDQ_PTX, args=[y], constraints="=f,f", pack=1,
-                result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, F32)])
-        return (q * s).reshape(-1)
-
-    return qdq(be), qdq(bo)
+    return tuple((e4m3_nearest(b * inv, interpret) * s).reshape(-1)    # of b / 2**e (exact)
+                 for b in (be, bo))
 
 
 def _e2m1(v):
@@ -192,6 +183,17 @@ def as_bytes(w: dict) -> tuple[jax.Array, jax.Array]:
     return b, st.reshape(-1, *st.shape[-2:])
 
 
+def _launch(kernel, grid, out_shape, name, num_warps, num_stages, interpret):
+    """``pallas_call`` of ``kernel`` on whole operands (it indexes them itself), a bf16
+    output of ``out_shape``."""
+    return pl.pallas_call(
+        kernel, grid=grid, out_specs=pl.BlockSpec(),
+        out_shape=jax.ShapeDtypeStruct(out_shape, BF16),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                            num_stages=num_stages),
+        interpret=interpret, name=name)
+
+
 @functools.partial(jax.jit, static_argnames=("k", "limit", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
 def up(x, w1, s1, w3, s3, pair_expert, route_w, *, k, limit, block_n=None, block_k=None,
@@ -205,13 +207,9 @@ def up(x, w1, s1, w3, s3, pair_expert, route_w, *, k, limit, block_n=None, block
     block_n, block_k = pick_blocks(P, I, D, block_n, block_k)
     kernel = functools.partial(_up_kernel, k=k, block_n=block_n, block_k=block_k,
                                n_k=D // block_k, limit=limit, interpret=interpret)
-    return pl.pallas_call(
-        kernel, grid=(P, I // block_n), in_specs=[pl.BlockSpec()] * 7,
-        out_specs=pl.BlockSpec(), out_shape=jax.ShapeDtypeStruct((P, I), BF16),
-        compiler_params=pltr.CompilerParams(num_warps=num_warps or NUM_WARPS,
-                                            num_stages=num_stages),
-        interpret=interpret, name="gathered_experts_up",
-    )(pair_expert.astype(I32), route_w.astype(F32), x, w1, s1, w3, s3)
+    return _launch(kernel, (P, I // block_n), (P, I), "gathered_experts_up", num_warps,
+                   num_stages, interpret)(pair_expert.astype(I32), route_w.astype(F32), x, w1,
+                                          s1, w3, s3)
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
@@ -226,10 +224,5 @@ def down(a, w2, s2, pair_expert, *, block_n=None, block_k=None, num_warps=None,
     block_n, block_k = pick_blocks(P, D, I, block_n, block_k)
     kernel = functools.partial(_down_kernel, block_n=block_n, block_k=block_k,
                                n_k=I // block_k, interpret=interpret)
-    return pl.pallas_call(
-        kernel, grid=(P, D // block_n), in_specs=[pl.BlockSpec()] * 4,
-        out_specs=pl.BlockSpec(), out_shape=jax.ShapeDtypeStruct((P, D), BF16),
-        compiler_params=pltr.CompilerParams(num_warps=num_warps or NUM_WARPS,
-                                            num_stages=num_stages),
-        interpret=interpret, name="gathered_experts_down",
-    )(pair_expert.astype(I32), a, w2, s2)
+    return _launch(kernel, (P, D // block_n), (P, D), "gathered_experts_down", num_warps,
+                   num_stages, interpret)(pair_expert.astype(I32), a, w2, s2)

@@ -89,14 +89,20 @@ def _act_qdq(x: jax.Array, interpret: bool) -> jax.Array:
     xb = x.reshape(R, C // 32, 32)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), 1e-4)
     e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
-    y = xb * exp2_int(-e)[..., None]              # x / 2**e, exact
-    if interpret:
-        q = jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(F32)
-    else:
-        [q] = pltr.elementwise_inline_asm(
-            QDQ_PTX, args=[y], constraints="=f,f", pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, F32)])
+    q = e4m3_nearest(xb * exp2_int(-e)[..., None], interpret)     # of x / 2**e (exact)
     return (q * exp2_int(e)[..., None]).reshape(R, C)
+
+
+def e4m3_nearest(y: jax.Array, interpret: bool) -> jax.Array:
+    """The e4m3 value nearest each fp32 value of a tile (ties to even, saturating at
+    +-448), as fp32: the hardware's convert (:data:`QDQ_PTX`) in a kernel, ``ml_dtypes``'
+    in interpret mode."""
+    if interpret:
+        return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(F32)
+    [q] = pltr.elementwise_inline_asm(
+        QDQ_PTX, args=[y], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, F32)])
+    return q
 
 
 def tile_rows(M: int) -> int:
