@@ -129,6 +129,16 @@ def test_blocks():
         triton.pick_blocks(6, 512, 2048, block_n=48)
     with pytest.raises(ValueError, match="block_k=32"):
         triton.pick_blocks(6, 512, 2048, block_k=32)
+    # stacks of 2**31 to 2**32 bytes: Pallas Triton's 32-bit offsets would wrap; past 2**32
+    # (the pooled layers) it addresses in 64 bits
+    S = jax.ShapeDtypeStruct
+
+    def experts(L, E, N, K):
+        return {"i4": S((L, E, N, K), jnp.int4), "scale_t": S((L, E, K // 32, N), jnp.bfloat16)}
+    assert not ge.kernel_fits(experts(1, 384, 2304, 5120), experts(1, 384, 5120, 2304))
+    assert ge.kernel_fits(experts(2, 384, 2304, 5120), experts(2, 384, 5120, 2304))
+    assert ge.kernel_fits(experts(40, 16, 512, 2048), experts(40, 16, 2048, 512))
+    assert not ge.kernel_fits(experts(1, 8, 512, 96), experts(1, 8, 96, 512))
     rng = np.random.default_rng(1)
     x, w1, w3, w2, ids, route_w = _case(rng)
     with pytest.raises(ValueError, match="kernel-form"):
