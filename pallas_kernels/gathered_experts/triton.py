@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.fp4.common import exp2_int
 from pallas_kernels.fp4.reference import FP8_MAX, _pow2_ceil_exponent
-from pallas_kernels.gemv.triton import e4m3_nearest
+from pallas_kernels.gemv.triton import _pow2_divisor, e4m3_nearest
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 #: Programs a launch aims for: ``block_n`` is the widest of :data:`BLOCK_NS` that still gives
@@ -61,7 +61,6 @@ def _qdq_halves(xe, xo, interpret: bool):
                        1e-4)
     e = _pow2_ceil_exponent(amax * np.float32(1.0 / FP8_MAX))
     inv, s = exp2_int(-e)[:, None], exp2_int(e)[:, None]
-
     return tuple((e4m3_nearest(b * inv, interpret) * s).reshape(-1)    # of b / 2**e (exact)
                  for b in (be, bo))
 
@@ -143,13 +142,6 @@ def _down_kernel(pair_ref, a_ref, w2_ref, s2_ref, y_ref, *, block_n, block_k, n_
     [y] = _row_sums(a_ref, p, ((w2_ref, s2_ref),), e, n0, block_n=block_n, block_k=block_k,
                     n_k=n_k, interpret=interpret)
     y_ref[p, pl.ds(n0, block_n)] = y.astype(y_ref.dtype)
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
 
 
 def pick_blocks(rows: int, N: int, K: int, block_n: int | None = None,
