@@ -136,7 +136,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="benchmarks.gathered_experts",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS),
-                    help=f"comma-separated rows (default {','.join(DEFAULT_ROWS)})")
+                    help=f"comma-separated rows '<{'|'.join(SHAPES)}> b<tokens>' (default "
+                         f"{','.join(DEFAULT_ROWS)}; on a CPU use tiny: the kernels run in "
+                         "interpret mode and the times are wall times)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--tune", action="store_true",
                     help="also time each kernel per setting of block_n, block_k, num_warps")
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
     for r in rows:
         row = bench_row(r, tune=args.tune)
         out["rows"].append(row)
+        if row["time_basis"] == "wall" and r == rows[0]:
+            print("(no GPU: interpret-mode kernels, wall times; they say nothing about a GPU)")
         print(f"{r:10s} kernels {row['kernels_us']:9.1f} us  xla {row['xla_us']:9.1f} us  "
               f"x{row['x_xla'] or 0:5.2f}  {row['weights_TBps'] or 0:5.2f} TB/s  "
               f"max err {row['max_err']:.1e}  bitwise {row['bitwise_frac']:.3f}", flush=True)
