@@ -549,7 +549,7 @@ def synthetic_state(cfg: ModelConfig, batch: int, capacity: int, context: int,
                                  index=codes(src.index), index_scale=e8m0(src.index_scale),
                                  tail=tail)
     out = s.replace(pos=jnp.full((batch,), context, jnp.int32),
-                    windows=tuple(ring(r) for r in s.windows), sources=sources)
+                    windows=ring(s.windows), sources=sources)
     if s.engram_history is not None:
         out = out.replace(engram_history=jax.random.randint(
             next(key), s.engram_history.shape, 0, cfg.vocab_size, jnp.int32))

@@ -124,7 +124,7 @@ def state_bytes(cfg, batch: int, context: int) -> dict[str, int]:
         return sum(_nbytes(a.shape, a.dtype) for a in arrs if a is not None)
     srcs = s.sources.values()
     return {
-        "window rings": sum(size(w.kv, w.scale) for w in s.windows),
+        "window rings": size(s.windows.kv, s.windows.scale),
         "main KV (FP4)": sum(size(x.main, x.main_scale) for x in srcs),
         "indexer K (MXFP4)": sum(size(x.index, x.index_scale) for x in srcs),
         "compressor tails": sum(size(x.tail.kv, x.tail.score) for x in srcs if x.tail),

@@ -616,19 +616,17 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
 
     scanned_p, pinned_p = zip(*[_pin_stacked(rp) for rp in runs_p])
 
-    # the group's window rings side by side ([B, layers * W + 1, ...], layer f of the group
-    # at rows f*W..f*W+W-1, f = unit * layers per unit + index in the unit, and a spare last
-    # row for the writes of rows with nothing to write): carried through the scans and
-    # updated in place (docs/architecture.md, "Scanned layer groups")
-    W = cfg.window_size
+    # every layer's window ring ([B, n_layers, W, ...]): carried through the scans and updated
+    # in place at the layer's index (docs/architecture.md, "Scanned layer groups")
+    rings = state.windows
+    # unit u's layer k: g.head + u * per_unit + k where the units are consecutive layers (an
+    # index computed, not gathered from unit_ids: no kernel of its own)
     per_unit = len(g.units[0])
-    flat = [L for ids in g.units for L in ids]
+    consecutive = all(L == g.head + u * per_unit + k for u, ids in enumerate(g.units)
+                      for k, L in enumerate(ids))
 
-    def side_by_side(arrays):
-        spare = jnp.zeros((arrays[0].shape[0], 1, *arrays[0].shape[2:]), arrays[0].dtype)
-        return jnp.concatenate([*arrays, spare], axis=1)
-    rings = st.WindowRing(kv=side_by_side([state.windows[L].kv for L in flat]),
-                          scale=side_by_side([state.windows[L].scale for L in flat]))
+    def layer_index(u, k):
+        return g.head + u * per_unit + k if consecutive else unit_ids[u, k]
 
     def unit(carry, xs):
         X, pre_mix, bus, rings = carry
@@ -637,7 +635,7 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
         recs = []
         for r, ((start, length), role) in enumerate(zip(g.runs, roles)):
             if length == 1:
-                ls = st.LayerState(window=rings, window_at=(u * per_unit + start) * W,
+                ls = st.LayerState(window=rings, window_layer=layer_index(u, start),
                                    source=src, stale_index=stale[0],
                                    stale_index_scale=stale[1])
                 p = _unpin(jax.tree.map(lambda a: a[0], p_runs[r]), pinned_p[r], u)
@@ -651,7 +649,7 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
                 def inner(c, xs2, role=role, src=src, r=r, length=length, start=start):
                     X, pre_mix, bus, rings = c
                     p, j = xs2
-                    ls = st.LayerState(window=rings, window_at=(u * per_unit + start + j) * W,
+                    ls = st.LayerState(window=rings, window_layer=layer_index(u, start + j),
                                        source=src)
                     p = _unpin(p, pinned_p[r], u * length + j)
                     X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus,
@@ -672,11 +670,7 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
         carry, ys = jax.lax.scan(unit, (X, pre_mix, bus, rings), xs)
     X, pre_mix, bus, rings = carry
     new_src, recs = ys
-    wins = list(state.windows)
     records = {}
-    for f, L in enumerate(flat):
-        wins[L] = st.WindowRing(kv=rings.kv[:, f * W:(f + 1) * W],
-                                scale=rings.scale[:, f * W:(f + 1) * W])
     for u, ids in enumerate(g.units):
         for r, (start, length) in enumerate(g.runs):
             for j in range(length):
@@ -686,7 +680,7 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
     if owns:
         for u, ids in enumerate(g.units):
             sources[ids[0]] = jax.tree.map(lambda a: a[u], new_src)
-    state = state.replace(windows=tuple(wins), sources=sources)
+    state = state.replace(windows=rings, sources=sources)
     return X, pre_mix, state, bus, records
 
 
@@ -1313,6 +1307,8 @@ def _rollback(params, cfg: ModelConfig, old: st.InferenceState, new: st.Inferenc
     def rings(o, nw):
         return jax.tree.map(ring, o, nw)
 
+    layer_rings = jax.vmap(ring, in_axes=1, out_axes=1)   # the state's [B, n_layers, W, ...]
+
     sources = {}
     for i, src in new.sources.items():
         r = cfg.compress_ratios[i]
@@ -1341,7 +1337,8 @@ def _rollback(params, cfg: ModelConfig, old: st.InferenceState, new: st.Inferenc
     if hist is not None:
         hist = engram_layer.engram_update_history(hist, params["engram_token_map"][tokens], a)
     return new.replace(
-        pos=p0 + a, windows=rings(old.windows, new.windows), sources=sources,
+        pos=p0 + a, windows=jax.tree.map(layer_rings, old.windows, new.windows),
+        sources=sources,
         engram_history=hist,
         enc_ring=None if new.enc_ring is None else rings(old.enc_ring, new.enc_ring),
         dspark=None if new.dspark is None else rings(old.dspark, new.dspark))

@@ -4,8 +4,9 @@
 ``init_state(cfg, batch, capacity)`` returns an :class:`InferenceState`:
 
 * ``pos`` int32 [B]: tokens consumed per sequence.
-* ``windows``: one :class:`WindowRing` per layer (its SWA ring: FP8 ``kv`` e4m3 [B, W, K] +
-  E8M0 ``scale`` uint8 [B, W, K/32]; slot = position mod W).
+* ``windows``: one :class:`WindowRing` holding every layer's SWA ring (FP8 ``kv`` e4m3
+  [B, n_layers, W, K] + E8M0 ``scale`` uint8 [B, n_layers, W, K/32]; ``[:, i]`` is layer
+  ``i``'s ring, slot = position mod W; :func:`layer_ring` takes one out).
 * ``sources``: one :class:`KVSource` per KV source layer, keyed by the layer id: main KV as
   packed e2m1 ``main`` uint8 [B, L/r, K/2] + E4M3 ``main_scale`` [B, L/r, K/16]; indexer K as
   packed e2m1 ``index`` uint8 [B, L/r, J/2] + E8M0 ``index_scale`` uint8 [B, L/r, J/32]; a
@@ -48,10 +49,11 @@ def _pytree(cls):
 
 @_pytree
 class WindowRing:
-    """One layer's sliding-window ring (docs/architecture.md, "Window KV")."""
+    """Sliding-window rings (docs/architecture.md, "Window KV"): one layer's ([B, W, ...]) or,
+    in :attr:`InferenceState.windows`, every layer's ([B, n_layers, W, ...])."""
 
-    kv: Any         # float8_e4m3fn [B, W, K]
-    scale: Any      # uint8 [B, W, K/32], E8M0 per 32 channels
+    kv: Any         # float8_e4m3fn [B, W, K] or [B, n_layers, W, K]
+    scale: Any      # uint8 [B, W, K/32] or [B, n_layers, W, K/32], E8M0 per 32 channels
 
     def replace(self, **kw) -> "WindowRing":
         return dataclasses.replace(self, **kw)
@@ -113,7 +115,7 @@ class InferenceState:
     """Everything a sequence batch carries between calls (see the module docstring)."""
 
     pos: Any                # int32 [B]
-    windows: tuple          # tuple[WindowRing, ...], one per layer
+    windows: WindowRing     # every layer's ring, [B, n_layers, W, ...]
     sources: dict           # dict[int, KVSource], keyed by the KV source layer
     engram_history: Optional[Any] = None   # int32 [B, max_ngram - 1]
     enc_ring: Optional[EncoderRing] = None
@@ -139,10 +141,10 @@ class LayerState:
     source: Optional[KVSource] = None
     stale_index: Optional[Any] = None
     stale_index_scale: Optional[Any] = None
-    # int32 scalar: where the layer's ring starts when ``window`` holds the rings of several
-    # layers side by side (a scanned layer group's, [B, n*W + 1, ...] with a spare last row:
-    # write_ring_rows_at); None: ``window`` is the layer's own ring
-    window_at: Optional[Any] = None
+    # int32 scalar: the layer's index when ``window`` holds every layer's ring (the state's
+    # [B, n_layers, W, ...], updated in place: ring_at, write_ring_rows_at, put_ring_at);
+    # None: ``window`` is the layer's own ring [B, W, ...]
+    window_layer: Optional[Any] = None
 
     def replace(self, **kw) -> "LayerState":
         return dataclasses.replace(self, **kw)
@@ -164,9 +166,8 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int) -> InferenceState:
         raise ValueError(f"capacity must be > 0, got {capacity}")
     plan = LayerPlan.from_config(cfg)
     K, J, W = cfg.head_dim, cfg.index_head_dim, cfg.window_size
-    windows = tuple(WindowRing(kv=jnp.zeros((batch, W, K), quant.E4M3),
-                               scale=jnp.zeros((batch, W, K // 32), jnp.uint8))
-                    for _ in range(cfg.n_layers))
+    windows = WindowRing(kv=jnp.zeros((batch, cfg.n_layers, W, K), quant.E4M3),
+                         scale=jnp.zeros((batch, cfg.n_layers, W, K // 32), jnp.uint8))
     sources = {}
     for i in plan.kv_sources:
         r = cfg.compress_ratios[i]
@@ -203,41 +204,61 @@ def capacity_of(state: InferenceState, cfg: ModelConfig) -> int:
 # ----------------------------------------------------------------------------- rings
 
 
+def layer_ring(windows: WindowRing, layer: int) -> WindowRing:
+    """Layer ``layer``'s ring ([B, W, ...]) out of the state's ``windows`` ([B, n_layers, W,
+    ...]; a view for numpy arrays). Raises ``ValueError`` for a layer outside the rings."""
+    n = windows.kv.shape[1]
+    if not 0 <= layer < n:
+        raise ValueError(f"layer must be in [0, {n}), got {layer}")
+    return WindowRing(kv=windows.kv[:, layer], scale=windows.scale[:, layer])
+
+
+def layer_rings(windows: WindowRing) -> tuple[WindowRing, ...]:
+    """Every layer's ring (:func:`layer_ring`), in layer order."""
+    return tuple(layer_ring(windows, i) for i in range(windows.kv.shape[1]))
+
+
 def read_ring(ring: WindowRing) -> Float[Array, "B W K"]:
     """Dequantised window ring (bf16): exactly the reference's QDQ'd window KV."""
     return quant.fp8_dequantize(ring.kv, ring.scale, 32, BF16)
 
 
-def ring_at(rings: WindowRing, at, W: int) -> WindowRing:
-    """The ring of ``W`` slots starting at row ``at`` (int32 scalar) of ``rings`` ([B, n*W,
-    ...]: several layers' rings side by side)."""
-    return WindowRing(kv=jax.lax.dynamic_slice_in_dim(rings.kv, at, W, axis=1),
-                      scale=jax.lax.dynamic_slice_in_dim(rings.scale, at, W, axis=1))
+def ring_at(rings: WindowRing, layer) -> WindowRing:
+    """Layer ``layer``'s ring ([B, W, ...]) of every layer's ``rings`` ([B, n_layers, W, ...];
+    ``layer`` an int32 scalar, may be traced)."""
+    return WindowRing(kv=jax.lax.dynamic_index_in_dim(rings.kv, layer, axis=1, keepdims=False),
+                      scale=jax.lax.dynamic_index_in_dim(rings.scale, layer, axis=1,
+                                                         keepdims=False))
 
 
-def put_ring_at(rings: WindowRing, ring: WindowRing, at) -> WindowRing:
-    """``rings`` with the ring starting at row ``at`` replaced by ``ring``."""
-    return WindowRing(kv=jax.lax.dynamic_update_slice_in_dim(rings.kv, ring.kv, at, axis=1),
-                      scale=jax.lax.dynamic_update_slice_in_dim(rings.scale, ring.scale, at,
-                                                                axis=1))
+def put_ring_at(rings: WindowRing, ring: WindowRing, layer) -> WindowRing:
+    """``rings`` with layer ``layer``'s ring replaced by ``ring`` ([B, W, ...])."""
+    return WindowRing(
+        kv=jax.lax.dynamic_update_index_in_dim(rings.kv, ring.kv, layer, axis=1),
+        scale=jax.lax.dynamic_update_index_in_dim(rings.scale, ring.scale, layer, axis=1))
 
 
-def write_ring_rows_at(rings: WindowRing, kv: jax.Array, scale: jax.Array, at, W: int,
+def write_ring_rows_at(rings: WindowRing, kv: jax.Array, scale: jax.Array, layer,
                        p: Int[Array, "B"], n: Int[Array, "B"]) -> WindowRing:
-    """One position per row (``p``; decode) written in place into the ``W``-slot ring starting
-    at row ``at`` of ``rings`` ([B, n*W + 1, ...]: several layers' rings side by side and one
-    spare row, which takes the writes of the rows with ``n == 0``): slot ``p mod W``.
-    ``kv`` [B, 1, K], ``scale`` [B, 1, K/32]: what :func:`write_ring` does to that ring, as one
-    row written per batch row (no read of the old row)."""
-    slot = jnp.where(n > 0, at + jnp.mod(p, W), rings.kv.shape[1] - 1)
-    if p.shape[0] == 1:       # a slice update: no guard of the old row (a scatter's is one)
-        z = jnp.zeros((), slot.dtype)
-        return WindowRing(
-            kv=jax.lax.dynamic_update_slice(rings.kv, kv[:, :1], (z, slot[0], z)),
-            scale=jax.lax.dynamic_update_slice(rings.scale, scale[:, :1], (z, slot[0], z)))
+    """One position per row (``p``; decode) written in place into layer ``layer``'s ring of
+    every layer's ``rings`` ([B, n_layers, W, ...]): slot ``p mod W``, nothing written for the
+    rows with ``n == 0``. ``kv`` [B, 1, K], ``scale`` [B, 1, K/32]: what :func:`write_ring`
+    does to that ring, as one row scattered per batch row (in place in a donated state)."""
+    W = rings.kv.shape[2]
+    if p.shape[0] == 1:
+        # a slice update keeping the old row where there is nothing to write (a scatter that
+        # drops the row is, at one row, a guarded slice update: more kernels)
+        z = jnp.zeros((), jnp.int32)
+        at = (z, jnp.asarray(layer, jnp.int32), jnp.mod(p[0], W).astype(jnp.int32), z)
+
+        def put(a, v):
+            old = jax.lax.dynamic_slice(a, at, (1, 1, 1, a.shape[3]))
+            return jax.lax.dynamic_update_slice(a, jnp.where(n[0] > 0, v[:, None], old), at)
+        return WindowRing(kv=put(rings.kv, kv), scale=put(rings.scale, scale))
     b = jnp.arange(p.shape[0])
-    return WindowRing(kv=rings.kv.at[b, slot].set(kv[:, 0]),
-                      scale=rings.scale.at[b, slot].set(scale[:, 0]))
+    slot = jnp.where(n > 0, jnp.mod(p, W), W)               # W: out of range, dropped
+    return WindowRing(kv=rings.kv.at[b, layer, slot].set(kv[:, 0], mode="drop"),
+                      scale=rings.scale.at[b, layer, slot].set(scale[:, 0], mode="drop"))
 
 
 def write_ring(ring: WindowRing, kv: jax.Array, scale: jax.Array, p0: Int[Array, "B"],

@@ -316,21 +316,22 @@ def test_b05_ring_not_full(M, A, oracle, prefix):
         _check_entry_counts(cfg, s0, L)
         np.testing.assert_allclose(out.logits[0], oracle["logits"][L - 1], atol=LOGIT_TOL,
                                    rtol=0)
-        ring = s0.windows[0]
+        rings0 = cu.row(st.layer_rings(cu.to_np(s).windows), 0)
+        ring = rings0[0]
         for slot in range(W):
             ps = [q for q in range(L) if q % W == slot]
             if ps:
                 q = ps[-1]
                 assert_trees_bitwise_equal((ring.kv[slot], ring.scale[slot]),
                                            (codes[q], scale[q]), f"L={L} slot {slot} q={q}")
-        for layer, rg in enumerate(s0.windows):
+        for layer, rg in enumerate(rings0):
             never = [slot for slot in range(W) if slot >= L]
             assert not bits(rg.kv[never]).any() and not bits(rg.scale[never]).any(), f"L{layer}"
         # next decode step, clean vs garbage in the never-written ring slots
         clean, st_c = cu.decode(params, cfg, cu.to_dev(s), [A[L]])
         if L < W:
             bad = cu.to_np(s)
-            for rg in bad.windows:
+            for rg in st.layer_rings(bad.windows):       # views: poisoned in place
                 rg.kv[:, L:] = cu.poison_bytes(rng, rg.kv[:, L:])
                 rg.scale[:, L:] = cu.poison_bytes(rng, rg.scale[:, L:], e8m0=True)
             dirty, _ = cu.decode(params, cfg, cu.to_dev(bad), [A[L]])
@@ -338,7 +339,7 @@ def test_b05_ring_not_full(M, A, oracle, prefix):
                 dirty.logits, clean.logits,
                 f"L={L}: decode logits with garbage in never-written ring slots and without")
         # the decoded token's own KV is in slot L % W (layer 0: recomputed)
-        ring = cu.to_np(st_c).windows[0]
+        ring = st.layer_ring(cu.to_np(st_c).windows, 0)
         assert_trees_bitwise_equal(ring.kv[0, L % W], codes[L], f"self slot, L={L}")
     # window index lists (indices into [ring (W slots); chunk rows])
     for p in (0, 3, 7, 8, 13):
@@ -550,7 +551,7 @@ def test_b08_candidate_pool(M, oracle):
     @functools.partial(jax.jit, static_argnums=0)
     def reuse(layer, x, topk):
         bus = attn_mod.Bus(topk=topk)
-        ls = st.LayerState(window=jax.tree.map(jnp.zeros_like, state.windows[layer]),
+        ls = st.LayerState(window=jax.tree.map(jnp.zeros_like, st.layer_ring(state.windows, layer)),
                            source=state.sources[plan[layer].kv_layer])   # window unused at p0 = 0
         out, _, bus2 = attn_mod.attention(params["layers"][layer]["attn"], x, plan[layer], cfg, ch,
                                           ls, bus)
@@ -638,7 +639,7 @@ def test_b09_rope_policy(M, A, oracle, attn_runner):
     for layer, kind, other in ((0, "base", "compress"), (2, "compress", "base")):
         x = (cu.layer0_input(params, cfg, A[None]) if layer == 0
              else cu.layer_input(params, cfg, oracle["rec"], layer))
-        ring = oracle["state"].windows[layer]
+        ring = st.layer_ring(oracle["state"].windows, layer)
         got = np.asarray(ring.kv[0])[np.arange(24, 32) % cfg.window_size]
         right, _ = cu.window_kv_codes(params, cfg, layer, x, jnp.arange(32)[None], kind)
         wrong, _ = cu.window_kv_codes(params, cfg, layer, x, jnp.arange(32)[None], other)
@@ -777,13 +778,14 @@ def attn_runner(M, oracle, A):
             ch = cu.make_chunk(cfg, offset, S)
             state = dsv.init_state(cfg, 1, cu.CAP)
             out0, _, _ = attn_mod.attention(params["layers"][0]["attn"], xs[0], plan[0], cfg, ch,
-                                            st.LayerState(window=state.windows[0]),
+                                            st.LayerState(window=st.layer_ring(state.windows, 0)),
                                             attn_mod.Bus(topk=None))
             src = attn_mod.kv_source_update(params["layers"][2]["attn"], xs[2], plan[2], cfg, ch,
                                             state.sources[2])
             tk = jnp.where(topk0 >= 0, topk0 + offset // 2, -1)
             out3, _, _ = attn_mod.attention(params["layers"][3]["attn"], xs[3], plan[3], cfg, ch,
-                                            st.LayerState(window=state.windows[3], source=src),
+                                            st.LayerState(window=st.layer_ring(state.windows, 3),
+                                                           source=src),
                                             attn_mod.Bus(topk=tk))
         finally:
             attn_mod.apply_rope, attn_mod.sparse_attention_reference = orig_rope, orig_sa

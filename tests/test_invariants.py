@@ -52,10 +52,18 @@ def _copy(state):
 
 def _host(state) -> dict:
     """Flat ``{path: numpy array}`` of a state (a host copy, safe against donation); paths as
-    ``jax.tree_util.keystr`` writes them: ``.pos``, ``.windows[3].kv``, ``.sources[2].main``,
-    ``.sources[2].tail.score``, ``.enc_ring.x``."""
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    return {jax.tree_util.keystr(p): np.array(v) for p, v in leaves}
+    ``jax.tree_util.keystr`` writes them: ``.pos``, ``.sources[2].main``,
+    ``.sources[2].tail.score``, ``.enc_ring.x``, and each layer's window ring on its own:
+    ``.windows[3].kv`` (layer 3's ``[B, W, K]`` of ``.windows.kv``)."""
+    out = {}
+    for p, v in jax.tree_util.tree_flatten_with_path(state)[0]:
+        k = jax.tree_util.keystr(p)
+        if k.startswith(".windows."):
+            for i in range(v.shape[1]):
+                out[f".windows[{i}]{k[len('.windows'):]}"] = np.array(v[:, i])
+        else:
+            out[k] = np.array(v)
+    return out
 
 
 def _pad_batch(rows: list[np.ndarray], pad_seed: int | None = None, vocab: int = 1):
@@ -146,7 +154,8 @@ def test_ced_vs_exact_beyond_window(model, n):
     # The measured approximation: finite logits, and the size of the difference.
     assert np.all(np.isfinite(lc)) and np.all(np.isfinite(le))
     d_logits = _max_abs(lc, le)
-    ring_d = max(_max_abs(st.read_ring(sc.windows[i]), st.read_ring(se.windows[i]))
+    ring_d = max(_max_abs(st.read_ring(st.layer_ring(sc.windows, i)),
+                          st.read_ring(st.layer_ring(se.windows, i)))
                  for i in range(dec, cfg.n_layers))
     assert np.isfinite(d_logits) and np.isfinite(ring_d)
     print(f"\n[ced vs exact] N={n}: max |logits diff| = {d_logits:.4g} "

@@ -25,7 +25,7 @@ def _source(fill):
     tail kv hold ``fill``."""
     z = jnp.zeros((2, 3), jnp.uint8)
     return st.InferenceState(
-        pos=jnp.array([3]), windows=(),
+        pos=jnp.array([3]), windows=st.WindowRing(kv=z, scale=z),
         sources={2: st.KVSource(main=jnp.full((2, 3), fill, jnp.bfloat16), main_scale=z,
                                 index=z, index_scale=z,
                                 tail=st.CompressorTail(kv=jnp.full((2,), fill, jnp.float32),

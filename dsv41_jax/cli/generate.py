@@ -102,8 +102,8 @@ def state_report(cfg: ModelConfig, state: st.InferenceState) -> list[str]:
     lines.append(f"global KV: {total} B for {toks} tokens = {total / toks:.1f} B/token "
                  f"(capacity layout: {st.global_kv_bytes_per_token(cfg, 4096):.1f} B/token"
                  f"{release})")
-    ring = sum(w.kv.nbytes + w.scale.nbytes for w in state.windows) // pos.size
-    lines.append(f"window rings: {len(state.windows)} layers x {cfg.window_size} slots, "
+    ring = (state.windows.kv.nbytes + state.windows.scale.nbytes) // pos.size
+    lines.append(f"window rings: {cfg.n_layers} layers x {cfg.window_size} slots, "
                  f"{ring} B per row (FP8 e4m3 + E8M0 per 32)")
     if state.enc_ring is not None:
         e = state.enc_ring

@@ -211,11 +211,11 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     qr, q = queries(p, x, cfg, cos, sin, qa)
     kv_codes, kv_scale = window_kv(p, x, cfg, cos, sin, kva)
     kv = quant.fp8_dequantize(kv_codes, kv_scale, 32, BF16)
-    at = ls.window_at
+    at = ls.window_layer
     # a decode step on the kernels reads the ring in place, the new row written first (its
     # slot held position p - W, outside the window); otherwise the layer's own ring
     in_place = RING_IN_PLACE and at is not None and ch.decode and ch.attn_impl != "xla"
-    ring = ls.window if at is None or in_place else st.ring_at(ls.window, at, W)
+    ring = ls.window if at is None or in_place else st.ring_at(ls.window, at)
     widx, wok = window_list(ch, W)
     src = topk = None
     if role.ratio > 0:
@@ -242,9 +242,11 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
         # chunk's rows) and the FP4 main KV, through index lists with -1 = no entry
         qv = ch.valid[..., None]
         if in_place:
-            ring = st.write_ring_rows_at(ring, kv_codes, kv_scale, at, W, ch.p0, ch.n)
-            win_kv, win_scale = ring.kv, ring.scale
-            widx = at + jnp.where(widx >= W, jnp.mod(ch.p0, W)[:, None, None], widx)
+            # every layer's ring as rows [B, n_layers * W, ...]: this layer's at rows at*W..
+            ring = st.write_ring_rows_at(ring, kv_codes, kv_scale, at, ch.p0, ch.n)
+            win_kv = ring.kv.reshape(B, -1, ring.kv.shape[-1])
+            win_scale = ring.scale.reshape(B, -1, ring.scale.shape[-1])
+            widx = at * W + jnp.where(widx >= W, jnp.mod(ch.p0, W)[:, None, None], widx)
         else:
             win_kv = jnp.concatenate([ring.kv, kv_codes], axis=1)
             win_scale = jnp.concatenate([ring.scale, kv_scale], axis=1)

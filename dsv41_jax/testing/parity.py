@@ -224,7 +224,7 @@ def teacher_forced_blocks(cfg, params, f, case: str, layers=None, attn_impl: str
             candidates = jnp.asarray(np.pad(fc, ((0, 0), (0, 0), (0, T - fc.shape[-1]))))
         bus = Bus(topk=topk, candidates=candidates)
         lp = _layer_params(params, cfg, L)
-        ls = st.LayerState(window=base.windows[L],
+        ls = st.LayerState(window=st.layer_ring(base.windows, L),
                            source=base.sources[role.kv_layer] if role.ratio else None)
         if role.owns_kv:
             # the source's own entries, built from its input, vs the recorded cache ...
@@ -507,7 +507,7 @@ def _cache_checks(cfg, state, f, prefix, name, tie_free_tokens: int) -> list[Che
         if key not in f.files:
             continue
         ref = f[key]
-        got = np.asarray(st.read_ring(state.windows[L]), np.float32)
+        got = np.asarray(st.read_ring(st.layer_ring(state.windows, L)), np.float32)
         filled_ref = np.abs(ref).sum(-1) > 0
         filled_got = np.abs(got).sum(-1) > 0
         out.append(hard(name, f"{key} filled", (filled_ref == filled_got).all(),
