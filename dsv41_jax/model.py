@@ -619,14 +619,13 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
     # every layer's window ring ([B, n_layers, W, ...]): carried through the scans and updated
     # in place at the layer's index (docs/architecture.md, "Scanned layer groups")
     rings = state.windows
-    # unit u's layer k: g.head + u * per_unit + k where the units are consecutive layers (an
-    # index computed, not gathered from unit_ids: no kernel of its own)
+    # unit u's layer k is g.head + u * per_unit + k (a group's units are consecutive layers of
+    # one length): an index computed, not gathered from unit_ids, so no kernel of its own
     per_unit = len(g.units[0])
-    consecutive = all(L == g.head + u * per_unit + k for u, ids in enumerate(g.units)
-                      for k, L in enumerate(ids))
+    assert g.units[-1][-1] == g.head + U * per_unit - 1, g.units
 
     def layer_index(u, k):
-        return g.head + u * per_unit + k if consecutive else unit_ids[u, k]
+        return g.head + u * per_unit + k
 
     def unit(carry, xs):
         X, pre_mix, bus, rings = carry

@@ -243,7 +243,7 @@ def write_ring_rows_at(rings: WindowRing, kv: jax.Array, scale: jax.Array, layer
     """One position per row (``p``; decode) written in place into layer ``layer``'s ring of
     every layer's ``rings`` ([B, n_layers, W, ...]): slot ``p mod W``, nothing written for the
     rows with ``n == 0``. ``kv`` [B, 1, K], ``scale`` [B, 1, K/32]: what :func:`write_ring`
-    does to that ring, as one row scattered per batch row (in place in a donated state)."""
+    does to that ring, as one row per batch row written in place in a donated state."""
     W = rings.kv.shape[2]
     if p.shape[0] == 1:
         # a slice update keeping the old row where there is nothing to write (a scatter that
