@@ -497,15 +497,44 @@ def _in_host_memory(tree) -> bool:
 #: some 10 s more of the first call's compile. ``"gpu"`` (on an NVIDIA GPU), ``"always"`` or
 #: ``"never"``; prefill chunks keep the loop either way.
 UNROLL_DECODE_RUNS = "gpu"
+#: Whether a decode step runs the units of a scanned group unrolled too ("gpu", "always" or
+#: "never"): the groups that own their KV sources (:data:`UNROLL_ALL_UNITS`: every group),
+#: whose sources a scan stacks and slices back, a copy of each per step.
+UNROLL_DECODE_UNITS = "never"
+UNROLL_ALL_UNITS = False
+
+
+def _decode_unrolled(ch: Chunk, name: str, setting: str) -> bool:
+    if setting not in ("gpu", "always", "never"):
+        raise ValueError(f"{name} must be 'gpu', 'always' or 'never', got {setting!r}")
+    return ch.decode and (setting == "always" or setting == "gpu" and on_gpu())
 
 
 def _unrolled_runs(ch: Chunk) -> bool:
     """Whether this chunk's inner scans are unrolled (:data:`UNROLL_DECODE_RUNS`)."""
-    if UNROLL_DECODE_RUNS not in ("gpu", "always", "never"):
-        raise ValueError(f"UNROLL_DECODE_RUNS must be 'gpu', 'always' or 'never', got "
-                         f"{UNROLL_DECODE_RUNS!r}")
-    return ch.decode and (UNROLL_DECODE_RUNS == "always"
-                          or UNROLL_DECODE_RUNS == "gpu" and on_gpu())
+    return _decode_unrolled(ch, "UNROLL_DECODE_RUNS", UNROLL_DECODE_RUNS)
+
+
+def _unrolled_units(ch: Chunk, owns: bool) -> bool:
+    """Whether this chunk's scan over a group's units is unrolled (:data:`UNROLL_DECODE_UNITS`;
+    ``owns``: the group owns its KV sources)."""
+    return ((owns or UNROLL_ALL_UNITS)
+            and _decode_unrolled(ch, "UNROLL_DECODE_UNITS", UNROLL_DECODE_UNITS))
+
+
+def _scan(body, carry, xs, length: int, unrolled: bool):
+    """``lax.scan`` of ``body(carry, x, i)`` over ``xs`` (leading axis ``length``) and the
+    index ``i`` (int32), or, ``unrolled``, a Python loop whose ``i`` is a Python int: static
+    slices and constant layer indices, no index kernels between the layers. The outputs are
+    stacked along a leading axis either way."""
+    if not unrolled:
+        return jax.lax.scan(lambda c, x: body(c, x[0], x[1]), carry,
+                            (xs, jnp.arange(length, dtype=jnp.int32)))
+    ys = []
+    for i in range(length):
+        carry, y = body(carry, jax.tree.map(lambda a, i=i: a[i], xs), i)
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
 def _pin_stacked(tree):
@@ -592,7 +621,8 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
         r1 = [i for i, s in state.sources.items() if s.tail is None]
         if r1:
             stale = (state.sources[r1[0]].index, state.sources[r1[0]].index_scale)
-    own_src = _stack([state.sources[u[0]] for u in g.units], (U,)) if owns else None
+    unrolled_units = U == 1 or _unrolled_units(ch, owns)
+    own_srcs = [state.sources[u[0]] for u in g.units] if owns else None
     skip = g.head == skip_kv_layer
     if head_role.owns_index:
         width = _topk_width(cfg, ext_src if ext_src is not None else state.sources[g.head])
@@ -627,9 +657,9 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
     def layer_index(u, k):
         return g.head + u * per_unit + k
 
-    def unit(carry, xs):
+    def unit(carry, xs, u):
         X, pre_mix, bus, rings = carry
-        p_runs, src, u = xs
+        p_runs, src = xs
         src = ext_src if src is None else src
         recs = []
         for r, ((start, length), role) in enumerate(zip(g.runs, roles)):
@@ -645,30 +675,35 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
                 rings = ls.window
                 recs.append(jax.tree.map(lambda a: a[None], rec))
             else:
-                def inner(c, xs2, role=role, src=src, r=r, length=length, start=start):
+                def inner(c, p, j, role=role, src=src, r=r, length=length, start=start):
                     X, pre_mix, bus, rings = c
-                    p, j = xs2
                     ls = st.LayerState(window=rings, window_layer=layer_index(u, start + j),
                                        source=src)
                     p = _unpin(p, pinned_p[r], u * length + j)
                     X, pre_mix, ls, bus, rec = layer(p, X, pre_mix, role, ls, bus,
                                                      unit_ids[u, start + j])
                     return (X, pre_mix, bus, ls.window), rec
-                (X, pre_mix, bus, rings), rec = jax.lax.scan(
-                    inner, (X, pre_mix, bus, rings),
-                    (p_runs[r], jnp.arange(length, dtype=jnp.int32)),
-                    unroll=length if _unrolled_runs(ch) else 1)
+                (X, pre_mix, bus, rings), rec = _scan(
+                    inner, (X, pre_mix, bus, rings), p_runs[r], length, _unrolled_runs(ch))
                 recs.append(rec)
         return (X, pre_mix, bus, rings), (src if owns else None, recs)
 
-    xs = (tuple(scanned_p), own_src, jnp.arange(U, dtype=jnp.int32))
-    if U == 1:
-        carry, ys = unit((X, pre_mix, bus, rings), jax.tree.map(lambda a: a[0], xs))
-        ys = jax.tree.map(lambda a: a[None], ys)
+    carry = (X, pre_mix, bus, rings)
+    if unrolled_units:
+        # each unit reads and returns its own source (no stacking)
+        outs = []
+        for u in range(U):
+            carry, out = unit(carry, (jax.tree.map(lambda a, u=u: a[u], tuple(scanned_p)),
+                                      own_srcs[u] if owns else None), u)
+            outs.append(out)
+        new_srcs = [o[0] for o in outs]
+        recs = jax.tree.map(lambda *a: jnp.stack(a), *[o[1] for o in outs])
     else:
-        carry, ys = jax.lax.scan(unit, (X, pre_mix, bus, rings), xs)
+        # a scan takes the sources stacked: a copy in and out of each
+        own_src = _stack(own_srcs, (U,)) if owns else None
+        carry, (new_src, recs) = _scan(unit, carry, (tuple(scanned_p), own_src), U, False)
+        new_srcs = [jax.tree.map(lambda a, u=u: a[u], new_src) for u in range(U)] if owns else None
     X, pre_mix, bus, rings = carry
-    new_src, recs = ys
     records = {}
     for u, ids in enumerate(g.units):
         for r, (start, length) in enumerate(g.runs):
@@ -678,7 +713,7 @@ def _run_group(g: LayerGroup, runs_p, plan: LayerPlan, cfg: ModelConfig, X, pre_
     sources = dict(state.sources)
     if owns:
         for u, ids in enumerate(g.units):
-            sources[ids[0]] = jax.tree.map(lambda a: a[u], new_src)
+            sources[ids[0]] = new_srcs[u]
     state = state.replace(windows=rings, sources=sources)
     return X, pre_mix, state, bus, records
 

@@ -158,9 +158,10 @@ def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
 
 
 def test_unrolled_decode_runs_equal_the_loop(monkeypatch):
-    """``UNROLL_DECODE_RUNS``: decode steps with each unit's Reuse layers unrolled equal the
-    inner ``lax.scan`` bitwise (logits and every state array), on groups whose units and runs
-    both repeat; an unknown setting is refused."""
+    """``UNROLL_DECODE_RUNS`` and ``UNROLL_DECODE_UNITS``: decode steps with each unit's Reuse
+    layers unrolled, and with the units of the groups too, equal the scans bitwise (logits and
+    every state array), on groups whose units and runs both repeat; an unknown setting is
+    refused."""
     from configs_util import scanned_tiny_config
     from dsv41_jax import state as st
     from dsv41_jax.random_weights import random_params_device
@@ -173,8 +174,10 @@ def test_unrolled_decode_runs_equal_the_loop(monkeypatch):
     out, prefilled = model.prefill(params, cfg, tokens, st.init_state(cfg, 2, 32),
                                    np.array([9, 4]))
 
-    def run(setting):
+    def run(setting, units="never", all_units=False):
         monkeypatch.setattr(model, "UNROLL_DECODE_RUNS", setting)
+        monkeypatch.setattr(model, "UNROLL_DECODE_UNITS", units)
+        monkeypatch.setattr(model, "UNROLL_ALL_UNITS", all_units)
         jax.clear_caches()        # the switch is read when the step is traced
         state = jax.tree.map(jnp.copy, prefilled)
         logits = [np.asarray(out.logits)]
@@ -183,12 +186,14 @@ def test_unrolled_decode_runs_equal_the_loop(monkeypatch):
             logits.append(np.asarray(lg))
         return logits, jax.tree.map(np.asarray, state)
 
-    lg_u, s_u = run("always")
     lg_l, s_l = run("never")
-    for a, b in zip(lg_u, lg_l):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(s_u), jax.tree.leaves(s_l)):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    for unrolled in (("always",), ("always", "always"), ("always", "always", True)):
+        lg_u, s_u = run(*unrolled)
+        for a, b in zip(lg_u, lg_l):
+            np.testing.assert_array_equal(a, b, err_msg=str(unrolled))
+        for a, b in zip(jax.tree.leaves(s_u), jax.tree.leaves(s_l)):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8),
+                                          err_msg=str(unrolled))
     monkeypatch.setattr(model, "UNROLL_DECODE_RUNS", "sometimes")
     jax.clear_caches()
     with pytest.raises(ValueError, match="UNROLL_DECODE_RUNS must be"):

@@ -72,6 +72,10 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     "gemv_tc": {("pallas_kernels.gemv.triton", "FMA_MAX_ROWS"): 0},
     # FP8 GEMVs of up to 4 rows on the CUDA cores (batch 2-4, a verify of 1-3 drafts)
     "gemv_fma4": {("pallas_kernels.gemv.triton", "FMA_MAX_ROWS"): 4},
+    # the units of a group that owns its KV sources unrolled (no stacked sources), or of all
+    "units_unrolled": {("dsv41_jax.model", "UNROLL_DECODE_UNITS"): "gpu"},
+    "units_all": {("dsv41_jax.model", "UNROLL_DECODE_UNITS"): "gpu",
+                  ("dsv41_jax.model", "UNROLL_ALL_UNITS"): True},
     # no split of K in the FP8 GEMVs: fewer programs, but no partial sums' reduction kernel
     "gemv_unsplit": {("pallas_kernels.gemv.triton", "UNSPLIT_ROW_BLOCKS"): 1},
 }
