@@ -565,6 +565,7 @@ def _unpin(scanned, pinned, at):
     ``hc_at`` (:func:`dsv41_jax.layers.mhc.block_wiring`)."""
     if pinned is None:
         return scanned
+    at = jnp.asarray(at, jnp.int32)     # an unrolled loop's Python int: a constant
     if not isinstance(pinned, dict):
         return jax.lax.dynamic_index_in_dim(_flat_stack(pinned), at, keepdims=False)
     if "fp8" in pinned or grouped_matmul.is_kernel_form(pinned) or _in_host_memory(pinned):
