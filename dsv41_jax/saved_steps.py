@@ -14,8 +14,11 @@ holds), without tracing the model.
 The artifact's key covers everything the traced program depends on: the function's name, the
 static arguments' ``repr``, the tree structure, shape and dtype of every array argument, the
 digest of this package's sources (:func:`source_digest`), the JAX and jaxlib versions, the
-backend and the device kind, and the JAX options that change a trace (x64, the default matmul
-precision); XLA's flags change only the compile, which the persistent cache keys by them. Calls that cannot be saved take the plain ``jax.jit`` path: a
+backend and the device kind, the JAX options that change a trace (x64, the default matmul
+precision), and the module-level settings of the two packages that differ from their sources'
+values (:func:`changed_settings`: a switch such as ``model.UNROLL_DECODE_UNITS`` set by a
+caller, which the trace reads); XLA's flags change only the compile, which the persistent cache
+keys by them. Calls that cannot be saved take the plain ``jax.jit`` path: a
 mesh among the static arguments (its devices are not part of the key), a static argument
 whose ``repr`` holds an object address, or a program ``jax.export`` refuses. A file that
 cannot be read is written again.
@@ -26,12 +29,15 @@ code: the cache directory is trusted, as JAX's own (see :mod:`dsv41_jax.compile_
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
 import os
 import pathlib
 import pickle
+import re
+import sys
 import tempfile
 from collections.abc import Callable
 
@@ -69,6 +75,87 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
+#: The packages whose module-level settings a trace reads.
+PACKAGES = ("dsv41_jax", "pallas_kernels")
+# a module-level assignment to an UPPER_CASE name on one line (annotated or not)
+_SETTING_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)[ \t]*(?::[^=\n]*)?=[^=\n].*$", re.M)
+_SCALARS = (bool, int, float, str, type(None))
+
+
+@functools.cache
+def _source_settings(path: str) -> tuple[tuple[str, object], ...]:
+    """``(NAME, default)`` of a module's settings: its one-line top-level assignments of an
+    ``UPPER_CASE`` name to a scalar literal (bool, int, float, str, None), or to another
+    module's setting (a dotted name, kept as ``ast.Attribute`` / ``ast.Name`` to resolve)."""
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError:
+        return ()
+    out = []
+    for m in _SETTING_LINE.finditer(text):
+        try:
+            node = ast.parse(m.group(0)).body[0].value
+        except (SyntaxError, IndexError, AttributeError):
+            continue          # the first line of a longer statement
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            out.append((m.group(1), node))
+            continue
+        try:
+            value = ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if isinstance(value, _SCALARS):
+            out.append((m.group(1), value))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _tracked(n_modules: int) -> tuple:
+    """``(module name, namespace, NAME, default)`` of every scalar setting of the loaded
+    modules of :data:`PACKAGES` (recomputed when the number of loaded modules changes)."""
+    out = []
+    for name in sorted(n for n in list(sys.modules) if n.split(".", 1)[0] in PACKAGES):
+        mod = sys.modules.get(name)
+        path = getattr(mod, "__file__", None)
+        for attr, default in _source_settings(path) if path else ():
+            if isinstance(default, ast.AST) and not isinstance(_resolve(mod, default), _SCALARS):
+                continue        # an alias of something else (a dtype, a tuple)
+            out.append((name, vars(mod), attr, default))
+    return tuple(out)
+
+
+def _resolve(mod, node):
+    """The current value of a dotted name in ``mod``'s namespace (None where it is gone)."""
+    if isinstance(node, ast.Name):
+        return vars(mod).get(node.id)
+    return getattr(_resolve(mod, node.value), node.attr, None)
+
+
+def changed_settings() -> tuple[tuple[str, str], ...]:
+    """The module-level settings of :data:`PACKAGES` whose current value differs from the one
+    their source assigns: ``(("module.NAME", repr(value)), ...)``, sorted; ``()`` when every
+    setting is as the sources say.
+
+    A setting is an ``UPPER_CASE`` name a module's source binds, on one top-level line, to a
+    scalar literal or to another module's setting (``AUTO_MAX_ROWS = triton.MAX_TILE_ROWS``):
+    the switches that callers and ``tools/decode_ab.py`` set (``model.UNROLL_DECODE_UNITS``,
+    ``gemv.triton.UNSPLIT_ROW_BLOCKS``, ...). A trace reads them, so they are part of a saved
+    program's key, and of the key a :class:`SavedJit` keeps its loaded programs under in a
+    process. Only the modules already imported are looked at (one not imported holds its
+    source's values, which :func:`source_digest` covers). About 20 us on a CPU core."""
+    out = []
+    for name, namespace, attr, default in _tracked(len(sys.modules)):
+        value = namespace.get(attr)
+        if value is default:
+            continue
+        if isinstance(default, ast.AST):
+            default = _resolve(sys.modules[name], default)
+        same = value == default or (value != value and default != default)      # NaN == NaN
+        if type(value) is not type(default) or not same:
+            out.append((f"{name}.{attr}", repr(value)))
+    return tuple(sorted(out))
+
+
 def _has_mesh(value) -> bool:
     return type(value).__name__ in ("Mesh", "AbstractMesh") or \
         getattr(value, "mesh", None) is not None
@@ -81,7 +168,8 @@ class SavedJit:
     are those of ``jax.jit(fun)``, bit for bit: the same program, compiled by the same XLA.
 
     Each instance keeps the programs it loaded or saved in this process (keyed by the
-    arguments' structure, shapes and static values), as ``jax.jit`` keeps its compiled ones.
+    arguments' structure, shapes and static values, and the settings of
+    :func:`changed_settings`), as ``jax.jit`` keeps its compiled ones.
     """
 
     def __init__(self, fun: Callable, *, static_argnames: tuple[str, ...] = (),
@@ -103,7 +191,8 @@ class SavedJit:
         flat = [jax.tree.flatten(a) for a in args]
         try:     # about 75 us for 300 arrays on a CPU core: the price of a saved program
             sig = (tuple(t for _, t in flat), tuple(sorted(static.items())),
-                   tuple([(x.shape, x.dtype) for leaves, _ in flat for x in leaves]))
+                   tuple([(x.shape, x.dtype) for leaves, _ in flat for x in leaves]),
+                   changed_settings())
         except AttributeError:          # a leaf that is not an array
             return self.jitted(*args, **static)
         program = self._programs.get(sig)
@@ -120,7 +209,8 @@ class SavedJit:
             return None
         dev = jax.devices()[0]
         h = hashlib.sha256()
-        for part in (FORMAT, self._name, text, repr(sig[0]), repr(sig[2]), source_digest(),
+        for part in (FORMAT, self._name, text, repr(sig[0]), repr(sig[2]), repr(sig[3]),
+                     source_digest(),
                      jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
                      jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision):
             h.update(repr(part).encode())

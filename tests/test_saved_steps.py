@@ -124,3 +124,63 @@ def test_model_steps_saved_and_loaded_give_the_same_bits(tmp_path):
     assert [f.split("-")[0] for f in first["files"]] == ["_chunk_rows", "_chunk_rows", "_loop"]
     second = _run(MODEL, tmp_path, "load")
     assert second == first
+
+
+SETTING = """
+import json, sys
+from unittest import mock
+import jax, jax.numpy as jnp, numpy as np
+from dsv41_jax import compile_cache, saved_steps
+from dsv41_jax.layers import moe
+
+def step(x):
+    return x * moe.GATHERED_PAIRS          # a module setting the trace reads
+
+compile_cache.enable(sys.argv[1])
+f = saved_steps.SavedJit(step)
+res = []
+with mock.patch.object(jax.export, "export", side_effect=RuntimeError("no export")) \\
+        if sys.argv[2] == "load" else mock.patch.object(np, "e", np.e):
+    for value in sys.argv[3:]:
+        moe.GATHERED_PAIRS = int(value)
+        res.append(float(f(jnp.ones(()))))
+print(json.dumps({"res": res, "changed": saved_steps.changed_settings(),
+                  "files": sorted(os.listdir(saved_steps.directory()))}))
+"""
+
+
+def test_a_changed_setting_is_part_of_the_key(tmp_path):
+    """A module setting set by the caller (``moe.GATHERED_PAIRS``, default 64) keys the
+    programs: in one process the step is traced again after the change, and a later process
+    loads the program saved for its own value, not the other."""
+    first = _run(SETTING, tmp_path, "save", 64, 3)
+    assert first["res"] == [64.0, 3.0]
+    assert first["changed"] == [["dsv41_jax.layers.moe.GATHERED_PAIRS", "3"]]
+    assert len(first["files"]) == 2
+    for value in (3, 64):                          # export raises: each result is from a file
+        again = _run(SETTING, tmp_path, "load", value)
+        assert again["res"] == [float(value)] and again["files"] == first["files"]
+
+
+def test_changed_settings(monkeypatch):
+    from dsv41_jax import model, saved_steps
+    import pallas_kernels.gemv as gemv
+    import pallas_kernels.gemv.triton as gemv_triton
+
+    names = lambda: dict(saved_steps.changed_settings())      # noqa: E731
+    before = names()
+    assert not {"dsv41_jax.model.UNROLL_DECODE_UNITS", "pallas_kernels.gemv.AUTO_MAX_ROWS",
+                "pallas_kernels.gemv.triton.MAX_TILE_ROWS"} & set(before)
+    monkeypatch.setattr(model, "UNROLL_DECODE_UNITS", "always")
+    monkeypatch.setattr(gemv, "AUTO_MAX_ROWS", 16)          # source: triton.MAX_TILE_ROWS
+    assert names() == {**before, "dsv41_jax.model.UNROLL_DECODE_UNITS": "'always'",
+                       "pallas_kernels.gemv.AUTO_MAX_ROWS": "16"}
+    # the alias follows the setting it names: MAX_ROWS (= triton.MAX_TILE_ROWS) now differs
+    monkeypatch.setattr(gemv_triton, "MAX_TILE_ROWS", 32)
+    assert {"pallas_kernels.gemv.triton.MAX_TILE_ROWS": "32",
+            "pallas_kernels.gemv.MAX_ROWS": "64"}.items() <= names().items()
+    monkeypatch.undo()
+    monkeypatch.setattr(model, "UNROLL_DECODE_UNITS", "".join(model.UNROLL_DECODE_UNITS))
+    assert names() == before        # an equal value (another object) is not a change
+    monkeypatch.undo()
+    assert names() == before
