@@ -499,7 +499,11 @@ def _in_host_memory(tree) -> bool:
 UNROLL_DECODE_RUNS = "gpu"
 #: Whether a decode step runs the units of a scanned group unrolled too ("gpu", "always" or
 #: "never"): the groups that own their KV sources (:data:`UNROLL_ALL_UNITS`: every group),
-#: whose sources a scan stacks and slices back, a copy of each per step.
+#: whose sources a scan stacks and slices back, a copy of each per step. Off: timed on an H100
+#: (``mid`` decode after 4K, batch 1; docs/benchmarks.md, "Switches timed"), every group
+#: unrolled cut the device time (6.91 -> 6.69 ms, 1,851 -> 1,732 launches) but not the step:
+#: 6.60 -> 8.62 ms queued, the host launching the unrolled program slower than the GPU runs
+#: it, and its first call 14 s longer to compile.
 UNROLL_DECODE_UNITS = "never"
 UNROLL_ALL_UNITS = False
 

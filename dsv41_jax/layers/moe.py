@@ -247,12 +247,11 @@ GATHERED_ON_KERNEL = False
 #: fused by XLA with the shared expert's addition) instead of the XLA path
 #: (:func:`_routed_experts`: the pairs' weights gathered, the projections as multiply-reduce
 #: fusions, some ten launches a layer). The same sums up to the order inside each product.
-#: Off until the current kernels are timed: the first version (byte loads, one program per
-#: token in the second kernel) cut a ``mid`` decode step of batch 1 from 1,823 to 1,583
-#: launches on an H100 but added 0.29 ms of device time (6.97 -> 7.26 ms), while batch 4
-#: gained 0.35 ms (10.26 -> 9.91 ms) (docs/benchmarks.md, "Gathered FP4 experts"; A/B:
-#: ``tools/decode_ab.py --variants gathered_xla,gathered_kernels``).
-GATHERED_KERNELS = False
+#: Timed on an H100 (``mid`` decode step after 4K, ``tools/decode_ab.py --variants
+#: gathered_xla,gathered_kernels``; docs/benchmarks.md, "Gathered FP4 experts"): batch 1
+#: 6.55 -> 6.16 ms queued (device 6.89 -> 6.42 ms, 1,851 -> 1,611 launches), batch 4 9.62 ->
+#: 8.82 ms, and a first call 7 s shorter to compile.
+GATHERED_KERNELS = True
 
 
 def expected_rereads(n_tokens: int, k: int, n_exp: int) -> float:
