@@ -17,6 +17,9 @@ decode step's time per change against its floor (``docs/results/h200_decode_mid.
 ``--grouped-matmul`` adds two panels from ``python -m benchmarks.grouped_matmul`` JSON files
 (later files win per row): the kernel's TFLOP/s on the rows with at least 1K tokens, and the
 expert weights it streams per second on the decode rows, each beside its target.
+``--decode-ab`` adds a panel per run of ``tools/decode_ab.py`` (its ``--out`` JSON, or a file of
+several under ``"runs"``, e.g. ``docs/results/h100_decode_ab_mid_switches.json``): each
+variant's ms per step synced, queued and on the device, its kernel launches above.
 
 Needs matplotlib (``pip install -e .[notebooks]``).
 """
@@ -167,6 +170,44 @@ def decode_panel(ax, path: str) -> None:
     ax.legend(fontsize=8)
 
 
+def decode_ab_runs(paths: list[str]) -> list[dict]:
+    """The ``tools/decode_ab.py`` runs of the files, in order: a file is one run (its
+    ``"variants"``) or several (``"runs"``). Variants that failed (``"error"``) are left out."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for run in data.get("runs", [data]):
+            variants = [v for v in run["variants"] if "error" not in v]
+            runs.append({**run, "variants": variants})
+    return runs
+
+
+def decode_ab_panel(ax, run: dict) -> None:
+    """One decode A/B run: per variant, ms per step synced, queued and device (bars), the
+    kernel launches per step above."""
+    variants = run["variants"]
+    x = list(range(len(variants)))
+    w = 0.27
+    series = (("ms_per_step", "synced"), ("ms_per_step_queued", "queued"),
+              ("device_ms_per_step", "device"))
+    for i, (key, label) in enumerate(series):
+        bars = ax.bar([j + (i - 1) * w for j in x], [v.get(key) or 0 for v in variants], w,
+                      label=label)
+        if key == "device_ms_per_step":
+            for b, v in zip(bars, variants):
+                if v.get("launches_per_step"):
+                    ax.annotate(f"{v['launches_per_step']:,.0f}\nlaunches",
+                                (b.get_x() + b.get_width() / 2, b.get_height()),
+                                ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [v["variant"] for v in variants], rotation=15, fontsize=8)
+    ax.set_ylabel("ms per decode step")
+    title = (f"{run.get('config', '')} decode, batch {run.get('batch')}, "
+             f"{run.get('context')} context ({run.get('device', '')})")
+    ax.set_title(title + (f"\n{run['call']}" if run.get("call") else ""), fontsize=9)
+    ax.legend(fontsize=8)
+
+
 def grouped_matmul_rows(paths: list[str]) -> dict[str, dict]:
     """``{row name: row}`` of grouped matmul benchmark files, later files winning; a row's
     kernel time is ``kernel_us`` (files of the first run keep it among ``kernel_top``)."""
@@ -224,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grouped-matmul", nargs="*", default=[],
                     help="grouped matmul benchmark JSON files (python -m "
                          "benchmarks.grouped_matmul --out)")
+    ap.add_argument("--decode-ab", nargs="*", default=[],
+                    help="tools/decode_ab.py JSON files (a panel per run)")
     return ap
 
 
@@ -236,11 +279,17 @@ def main(argv=None) -> int:
     import matplotlib.pyplot as plt
 
     gm = 2 * bool(args.grouped_matmul)
-    panels = len(args.json) + bool(args.prefill) + bool(args.topk) + bool(args.decode) + gm
+    ab = decode_ab_runs(args.decode_ab)
+    panels = (len(args.json) + bool(args.prefill) + bool(args.topk) + bool(args.decode) + gm
+              + len(ab))
     if not panels:
-        ap.error("nothing to plot: give bench_kernels JSON files, --prefill, --topk, --decode "
-                 "or --grouped-matmul")
+        ap.error("nothing to plot: give bench_kernels JSON files, --prefill, --topk, --decode, "
+                 "--grouped-matmul or --decode-ab")
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    if ab:
+        first = len(args.json) + bool(args.prefill) + bool(args.decode) + gm
+        for ax, run in zip(axes[0][first:], ab):
+            decode_ab_panel(ax, run)
     if gm:
         first = len(args.json) + bool(args.prefill) + bool(args.decode)
         grouped_matmul_panels(axes[0][first], axes[0][first + 1], args.grouped_matmul)

@@ -184,3 +184,20 @@ def test_grouped_matmul_panels_read_both_formats(tmp_path):
     out = tmp_path / "gm.png"
     assert plot.main(["--grouped-matmul", str(a), str(b), "--out", str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+def test_plot_decode_ab_runs(tmp_path):
+    """The decode A/B panel's runs: a decode_ab file is one run, a file with ``"runs"`` holds
+    several; failed variants are left out; the figure is written."""
+    ok = {"variant": "base", "ms_per_step": 8.0, "ms_per_step_queued": 6.5,
+          "device_ms_per_step": 6.9, "launches_per_step": 1851.0}
+    one = {"config": "mid", "batch": 1, "context": 4096, "device": "GPU",
+           "variants": [ok, {"variant": "broken", "error": "ValueError: no"}]}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(one))
+    b.write_text(json.dumps({"runs": [one, {**one, "batch": 4}]}))
+    runs = pb.decode_ab_runs([str(a), str(b)])
+    assert [r["batch"] for r in runs] == [1, 1, 4]
+    assert all([v["variant"] for v in r["variants"]] == ["base"] for r in runs)
+    out = tmp_path / "ab.png"
+    assert pb.main(["--decode-ab", str(a), "--out", str(out)]) == 0 and out.stat().st_size > 0
