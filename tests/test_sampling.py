@@ -69,6 +69,44 @@ def test_top_p_keeps_the_nucleus_with_its_renormalised_probabilities():
     assert set(d) == {0}
 
 
+def _nucleus_reference(x, top_p):
+    """numpy: each row's kept tokens under top-p (a stable sort, largest first) and their
+    renormalised probabilities, fp64."""
+    out = np.zeros(x.shape)
+    for b, row in enumerate(np.asarray(x, np.float64)):
+        order = np.argsort(-row, kind="stable")
+        p = np.exp(row[order] - row.max())
+        p /= p.sum()
+        keep = order[np.cumsum(p) - p < top_p]
+        e = np.exp(row[keep] - row[keep].max())
+        out[b, keep] = e / e.sum()
+    return out
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.3], ids=["nucleus_in_the_candidates", "flat"])
+def test_top_p_over_the_candidates_or_the_whole_row(scale, monkeypatch):
+    """Top-p without top-k over V = 1000 (the CPU's ``TOP_P_CANDIDATES``: 256, the 4096 is
+    skipped): peaked rows (the nucleus inside the 256 largest logits) and flat ones (it is not:
+    the whole row is sorted) keep the
+    numpy reference's tokens with its probabilities, equal to a run that always sorts the whole
+    row; draws stay among the kept tokens."""
+    from dsv41_jax import sampling
+    x = _logits(11, rows=4, scale=scale)
+    params = SamplingParams(1.0, top_p=0.9)
+    mass = np.sort(np.asarray(jax.nn.softmax(x, axis=-1)), axis=-1)[:, ::-1][:, :256].sum(-1)
+    assert (mass >= 0.9).all() if scale > 1 else (mass < 0.9).all()
+    pr = np.asarray(jax.jit(lambda x: probabilities(x, params))(x))
+    ref = _nucleus_reference(x, 0.9)
+    np.testing.assert_array_equal(pr > 0, ref > 0)
+    np.testing.assert_allclose(pr, ref, atol=1e-6)
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", {"gpu": (), "default": ()})
+    np.testing.assert_allclose(np.asarray(probabilities(x, params)), pr, atol=1e-7)
+    monkeypatch.undo()
+    d = _draws(x, params, 256)
+    for b in range(4):
+        assert (pr[b, d[:, b]] > 0).all()
+
+
 def test_plain_temperature_follows_softmax():
     p = np.array([0.7, 0.2, 0.1] + [0.0] * (V - 3))
     x = jnp.asarray(np.broadcast_to(np.log(np.maximum(p, 1e-30)), (4000, V)), jnp.float32)
