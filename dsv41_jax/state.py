@@ -142,8 +142,8 @@ class LayerState:
     stale_index: Optional[Any] = None
     stale_index_scale: Optional[Any] = None
     # int32 scalar: the layer's index when ``window`` holds every layer's ring (the state's
-    # [B, n_layers, W, ...], updated in place: ring_at, write_ring_rows_at, put_ring_at);
-    # None: ``window`` is the layer's own ring [B, W, ...]
+    # [B, n_layers, W, ...], updated in place: ring_at, put_ring_at, a decode step's new rows
+    # by pallas_kernels.window_ring); None: ``window`` is the layer's own ring [B, W, ...]
     window_layer: Optional[Any] = None
 
     def replace(self, **kw) -> "LayerState":
@@ -236,29 +236,6 @@ def put_ring_at(rings: WindowRing, ring: WindowRing, layer) -> WindowRing:
     return WindowRing(
         kv=jax.lax.dynamic_update_index_in_dim(rings.kv, ring.kv, layer, axis=1),
         scale=jax.lax.dynamic_update_index_in_dim(rings.scale, ring.scale, layer, axis=1))
-
-
-def write_ring_rows_at(rings: WindowRing, kv: jax.Array, scale: jax.Array, layer,
-                       p: Int[Array, "B"], n: Int[Array, "B"]) -> WindowRing:
-    """One position per row (``p``; decode) written in place into layer ``layer``'s ring of
-    every layer's ``rings`` ([B, n_layers, W, ...]): slot ``p mod W``, nothing written for the
-    rows with ``n == 0``. ``kv`` [B, 1, K], ``scale`` [B, 1, K/32]: what :func:`write_ring`
-    does to that ring, as one row per batch row written in place in a donated state."""
-    W = rings.kv.shape[2]
-    if p.shape[0] == 1:
-        # a slice update keeping the old row where there is nothing to write (a scatter that
-        # drops the row is, at one row, a guarded slice update: more kernels)
-        z = jnp.zeros((), jnp.int32)
-        at = (z, jnp.asarray(layer, jnp.int32), jnp.mod(p[0], W).astype(jnp.int32), z)
-
-        def put(a, v):
-            old = jax.lax.dynamic_slice(a, at, (1, 1, 1, a.shape[3]))
-            return jax.lax.dynamic_update_slice(a, jnp.where(n[0] > 0, v[:, None], old), at)
-        return WindowRing(kv=put(rings.kv, kv), scale=put(rings.scale, scale))
-    b = jnp.arange(p.shape[0])
-    slot = jnp.where(n > 0, jnp.mod(p, W), W)               # W: out of range, dropped
-    return WindowRing(kv=rings.kv.at[b, layer, slot].set(kv[:, 0], mode="drop"),
-                      scale=rings.scale.at[b, layer, slot].set(scale[:, 0], mode="drop"))
 
 
 def write_ring(ring: WindowRing, kv: jax.Array, scale: jax.Array, p0: Int[Array, "B"],

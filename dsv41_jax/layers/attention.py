@@ -26,6 +26,7 @@ from dsv41_jax.layers.rope import apply_rope, rope_angles
 from dsv41_jax.dtypes import BF16, F32
 from pallas_kernels import fp4
 from pallas_kernels import indexer as index_kernels
+from pallas_kernels import window_ring
 from pallas_kernels.sparse_attention import blocked_sink_softmax
 from pallas_kernels.sparse_attention import sparse_attention as sparse_attention_op
 
@@ -168,13 +169,20 @@ def queries(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, qa=No
     return qr, apply_rope(q, cos[:, :, None], sin[:, :, None])
 
 
+def window_rows(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, kva=None
+                ) -> Float[Array, "B S K"]:
+    """Window KV of the rows ``x`` before its FP8 quantisation (docs/architecture.md, "Window
+    KV"): RMSNorm, RoPE. ``kva``: ``linear(x, p["wkv"])`` when the caller has it."""
+    kva = linear(x, p["wkv"]) if kva is None else kva
+    kv = rms_norm(kva, p["kv_norm"]["weight"], cfg.norm_eps)
+    return apply_rope(kv, cos, sin)
+
+
 def window_kv(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, kva=None):
     """Window KV of the rows ``x`` (docs/architecture.md, "Window KV"): RMSNorm, RoPE, FP8
     quantisation per 32 channels. Returns ``(codes e4m3 [B, S, K], scale E8M0 uint8
     [B, S, K/32])``. ``kva``: ``linear(x, p["wkv"])`` when the caller has it."""
-    kva = linear(x, p["wkv"]) if kva is None else kva
-    kv = rms_norm(kva, p["kv_norm"]["weight"], cfg.norm_eps)
-    return quant.fp8_quantize(apply_rope(kv, cos, sin), 32)
+    return quant.fp8_quantize(window_rows(p, x, cfg, cos, sin, kva), 32)
 
 
 def output_projection(p: dict, o: Float[Array, "B S H K"], cfg: ModelConfig, cos, sin
@@ -209,7 +217,8 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     cos, sin = rope_angles(ch.positions, ch.freqs[role.rope])
     qa, kva = linear_pair(x, p["wq_a"], p["wkv"])      # one GEMV launch in a decode step
     qr, q = queries(p, x, cfg, cos, sin, qa)
-    kv_codes, kv_scale = window_kv(p, x, cfg, cos, sin, kva)
+    kv_rows = window_rows(p, x, cfg, cos, sin, kva)
+    kv_codes, kv_scale = quant.fp8_quantize(kv_rows, 32)
     kv = quant.fp8_dequantize(kv_codes, kv_scale, 32, BF16)
     at = ls.window_layer
     # a decode step on the kernels reads the ring in place, the new row written first (its
@@ -242,11 +251,17 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
         # chunk's rows) and the FP4 main KV, through index lists with -1 = no entry
         qv = ch.valid[..., None]
         if in_place:
-            # every layer's ring as rows [B, n_layers * W, ...]: this layer's at rows at*W..
-            ring = st.write_ring_rows_at(ring, kv_codes, kv_scale, at, ch.p0, ch.n)
-            win_kv = ring.kv.reshape(B, -1, ring.kv.shape[-1])
-            win_scale = ring.scale.reshape(B, -1, ring.scale.shape[-1])
+            # every layer's ring as rows [B, n_layers * W, ...]: this layer's at rows at*W..;
+            # the new row (the window list's last entry, -1 for a row without a token) is
+            # quantised and written there first, one kernel launch on a GPU
             widx = at * W + jnp.where(widx >= W, jnp.mod(ch.p0, W)[:, None, None], widx)
+            wlist = jnp.where(wok & qv, widx, -1)
+            win_kv, win_scale = window_ring.quantize_write(
+                ring.kv.reshape(B, -1, ring.kv.shape[-1]),
+                ring.scale.reshape(B, -1, ring.scale.shape[-1]), kv_rows[:, 0], wlist[:, 0],
+                column=W - 1, impl=ch.attn_impl)
+            ring = st.WindowRing(kv=win_kv.reshape(ring.kv.shape),
+                                 scale=win_scale.reshape(ring.scale.shape))
         else:
             win_kv = jnp.concatenate([ring.kv, kv_codes], axis=1)
             win_scale = jnp.concatenate([ring.scale, kv_scale], axis=1)
