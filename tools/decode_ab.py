@@ -78,6 +78,9 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
                   ("dsv41_jax.model", "UNROLL_ALL_UNITS"): True},
     # no split of K in the FP8 GEMVs: fewer programs, but no partial sums' reduction kernel
     "gemv_unsplit": {("pallas_kernels.gemv.triton", "UNSPLIT_ROW_BLOCKS"): 1},
+    # the decode step's window rows quantised and written by XLA (three launches a layer)
+    # instead of the window ring kernel (one)
+    "ring_xla": {("pallas_kernels.window_ring", "MAX_ROWS"): 0},
 }
 
 KEPT = ("ms_per_step", "ms_per_step_min", "ms_per_step_queued", "device_ms_per_step",
