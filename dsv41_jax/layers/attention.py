@@ -265,9 +265,9 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
         else:
             win_kv = jnp.concatenate([ring.kv, kv_codes], axis=1)
             win_scale = jnp.concatenate([ring.scale, kv_scale], axis=1)
+            wlist = jnp.where(wok & qv, widx, -1)
         o, _ = sparse_attention_op(
-            q, win_kv, win_scale,
-            jnp.where(wok & qv, widx, -1),
+            q, win_kv, win_scale, wlist,
             None if src is None else src.main, None if src is None else src.main_scale,
             None if src is None else jnp.where(qv, topk, -1),
             p["attn_sink"].astype(F32), scale=K ** -0.5, impl=ch.attn_impl)
