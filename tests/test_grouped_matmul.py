@@ -35,6 +35,18 @@ def _reset_interpreter():
     interpret_pallas_call.reset_gpu_interpret_mode_state()
 
 
+def _interpreted(call, *args, **kw):
+    """``call(*args, interpret=True, **kw)`` (a kernel called eagerly inside a larger eager
+    computation), waited for before the caller dispatches anything else: the interpreter's
+    callbacks run JAX operations of their own, and on a 2-core CI host an eager dispatch beside
+    them stalled a run for over 10 minutes."""
+    try:
+        return jax.block_until_ready(call(*args, interpret=True, **kw))
+    except Exception:
+        _reset_interpreter()
+        raise
+
+
 def _kernel(x, w, gs, **kw):
     try:
         return np.asarray(gm.grouped_matmul(x, w, gs, impl="gpu_interpret", **kw), np.float32)
@@ -230,7 +242,7 @@ def test_moe_on_a_stack_in_kernel_form(tokens):
     real = gm.padded_matmul
     with mock.patch.object(gm, "uses_kernel", lambda w, impl="auto": True), \
             mock.patch.object(gm, "padded_matmul",
-                              lambda *a, **kw: real(*a, interpret=True, **kw)):
+                              lambda *a, **kw: _interpreted(real, *a, **kw)):
         got = np.asarray(moe_layer.moe(x, kernel, cfg, None, impl="routed")[0], np.float32)
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
 
@@ -259,11 +271,7 @@ def test_few_pairs_on_the_kernel(tokens):
 
     def interpret(*a, **kw):
         calls.append(a[2].tile_expert.shape)
-        try:
-            return real(*a, interpret=True, **kw)
-        except Exception:
-            _reset_interpreter()
-            raise
+        return _interpreted(real, *a, **kw)
     with mock.patch.object(moe_layer, "GATHERED_ON_KERNEL", True), \
             mock.patch.object(gm, "uses_kernel", lambda w, impl="auto": True), \
             mock.patch.object(gm, "padded_matmul", interpret):
