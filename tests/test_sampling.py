@@ -89,7 +89,8 @@ def test_top_p_over_the_candidates_or_the_whole_row(scale, monkeypatch):
     skipped): peaked rows (the nucleus inside the 256 largest logits) and flat ones (it is not:
     the whole row is sorted) keep the
     numpy reference's tokens with its probabilities, equal to a run that always sorts the whole
-    row; draws stay among the kept tokens."""
+    row, and to a run with fewer rows than ``TOP_P_CANDIDATE_ROWS`` (the rows sorted at once);
+    draws stay among the kept tokens."""
     from dsv41_jax import sampling
     x = _logits(11, rows=4, scale=scale)
     params = SamplingParams(1.0, top_p=0.9)
@@ -100,6 +101,12 @@ def test_top_p_over_the_candidates_or_the_whole_row(scale, monkeypatch):
     np.testing.assert_array_equal(pr > 0, ref > 0)
     np.testing.assert_allclose(pr, ref, atol=1e-6)
     monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", {"gpu": (), "default": ()})
+    np.testing.assert_allclose(np.asarray(probabilities(x, params)), pr, atol=1e-7)
+    monkeypatch.undo()
+    # fewer rows than TOP_P_CANDIDATE_ROWS: the rows sorted at once (no top-k), the same values
+    assert "top_k" in str(jax.make_jaxpr(lambda x: probabilities(x, params))(x))
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATE_ROWS", {"gpu": 5, "default": 5})
+    assert "top_k" not in str(jax.make_jaxpr(lambda x: probabilities(x, params))(x))
     np.testing.assert_allclose(np.asarray(probabilities(x, params)), pr, atol=1e-7)
     monkeypatch.undo()
     d = _draws(x, params, 256)
