@@ -40,6 +40,18 @@ def gate_scores(x: Float[Array, "N D"], weight: Float[Array, "E D"], cfg: ModelC
     return jax.nn.sigmoid(logits)
 
 
+def gate_keys(x: Float[Array, "N D"], p: dict, cfg: ModelConfig,
+              image_mask: Bool[Array, "N"] | None) -> tuple[Float[Array, "N E"], Float[Array, "N E"]]:
+    """The router's scores (:func:`gate_scores`) and its selection keys: the scores plus the
+    bias (``bias_vl`` for image-span tokens), fp32. See docs/architecture.md, "Mixture of
+    experts"."""
+    s = gate_scores(x, p["weight"], cfg)
+    bias = p["bias"][None, :]
+    if image_mask is not None and "bias_vl" in p:
+        bias = jnp.where(image_mask[:, None], p["bias_vl"][None, :], bias)
+    return s, s + bias
+
+
 def gate(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Array, "N"] | None,
          n_active: int) -> tuple[Int[Array, "N k"], Float[Array, "N k"]]:
     """Router: top-k expert ids (``lax.top_k`` order: descending biased score) and weights.
@@ -49,11 +61,8 @@ def gate(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arr
     renormalised with +1e-20 and multiplied by ``route_scale``. See docs/architecture.md,
     "Mixture of experts".
     """
-    s = gate_scores(x, p["weight"], cfg)
-    bias = p["bias"][None, :]
-    if image_mask is not None and "bias_vl" in p:
-        bias = jnp.where(image_mask[:, None], p["bias_vl"][None, :], bias)
-    _, idx = jax.lax.top_k(s + bias, n_active)
+    s, keys = gate_keys(x, p, cfg, image_mask)
+    _, idx = jax.lax.top_k(keys, n_active)
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and n_active > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -253,6 +262,19 @@ GATHERED_ON_KERNEL = False
 #: 8.82 ms, and a first call 7 s shorter to compile.
 GATHERED_KERNELS = True
 
+#: Whether the gathered-experts kernels (:data:`GATHERED_KERNELS`) make the router's choice
+#: themselves (:func:`pallas_kernels.gathered_experts.routed_experts`: each up-kernel program
+#: takes its token's top-k of the selection keys and its pair's expert and weight from the
+#: scores): of the XLA router's four launches a layer (the scores' product, the scores with
+#: the bias, the top-k, the weights in increasing expert id) the last two are gone. The same
+#: experts (equal keys: the lower id, as ``lax.top_k``); the weights' normalising sum in
+#: another order (an fp32 rounding). ``moe`` still returns the XLA gate's ids and weights,
+#: which a decode step does not read (XLA drops them). Counted without a GPU (``mid`` decode
+#: at batch 1, H200): 1,476 launches a step against 1,539. Off until it is checked and timed
+#: on a GPU (tests/test_gathered_experts.py runs the kernels there; ``tools/decode_ab.py
+#: --variants base,route_kernel``).
+ROUTE_IN_KERNEL = False
+
 
 def expected_rereads(n_tokens: int, k: int, n_exp: int) -> float:
     """Expected expert weight reads of the gathered path beyond one per routed expert, for
@@ -306,9 +328,23 @@ def moe(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arra
     n_exp = p["gate"]["weight"].shape[0]
     if mesh is not None and dict(mesh.shape).get("expert", 1) > 1:
         acc = _expert_parallel(x, p["experts"], idx, w, n_exp, impl, cfg.swiglu_limit, mesh)
+    elif _routes_in_kernel(x.shape[0], k, n_exp, impl, p):
+        ex = p["experts"]
+        acc = gathered_experts.routed_experts(
+            x, *gate_keys(x, p["gate"], cfg, image_mask), ex["w1"], ex["w3"], ex["w2"], k=k,
+            route_scale=cfg.route_scale, normalize=cfg.norm_topk_prob, limit=cfg.swiglu_limit)
     else:
         acc = _routed_sum(x, p["experts"], idx, w, n_exp, impl, cfg.swiglu_limit)
     return _with_shared(acc, x, p, cfg), idx, w
+
+
+def _routes_in_kernel(n_tokens: int, k: int, n_exp: int, impl: str, p: dict) -> bool:
+    """Whether :func:`moe` takes :data:`ROUTE_IN_KERNEL`'s path: where the few-pairs call of
+    :func:`_routed_sum` would run the gathered-experts kernels."""
+    ex = p["experts"]
+    return (ROUTE_IN_KERNEL and GATHERED_KERNELS and not GATHERED_ON_KERNEL
+            and gathered(n_tokens, k, n_exp, impl) and grouped_matmul.uses_kernel(ex["w1"])
+            and gathered_experts.kernel_fits(ex["w1"], ex["w2"]))
 
 
 def _routed_sum(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],

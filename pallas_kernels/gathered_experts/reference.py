@@ -61,3 +61,28 @@ def gathered_experts(x: Float[Array, "T D"], w1: dict, w3: dict, w2: dict,
                      ) -> Float[Array, "T D"]:
     """See :func:`pallas_kernels.gathered_experts.gathered_experts`."""
     return down(up(x, w1, w3, ids, route_w, limit), w2, ids)
+
+
+def route(scores: Float[Array, "T E"], keys: Float[Array, "T E"], k: int, route_scale: float,
+          normalize: bool) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+    """The router's choice: the ``k`` experts of largest key (``lax.top_k``; the keys are the
+    scores plus the selection bias), their scores over their sum ``+ 1e-20`` (where
+    ``normalize`` and ``k > 1``) times ``route_scale``, in increasing expert id (ids int32,
+    weights fp32): the MoE's gate (``dsv41_jax.layers.moe.gate``) followed by the ascending
+    order the kernels add the experts in."""
+    _, idx = jax.lax.top_k(keys, k)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    if normalize and k > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    w = w * route_scale
+    order = jnp.argsort(idx, axis=-1)
+    return (jnp.take_along_axis(idx, order, axis=-1).astype(jnp.int32),
+            jnp.take_along_axis(w, order, axis=-1))
+
+
+def routed_experts(x: Float[Array, "T D"], scores: Float[Array, "T E"], keys: Float[Array, "T E"],
+                   w1: dict, w3: dict, w2: dict, k: int, route_scale: float, normalize: bool,
+                   limit: float) -> Float[Array, "T D"]:
+    """See :func:`pallas_kernels.gathered_experts.routed_experts`."""
+    ids, route_w = route(scores, keys, k, route_scale, normalize)
+    return gathered_experts(x, w1, w3, w2, ids, route_w, limit)

@@ -136,9 +136,57 @@ def _up_kernel(pair_ref, rw_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, a_ref, *
     a_ref[p, pl.ds(n0, block_n)] = a.astype(a_ref.dtype)
 
 
-def _down_kernel(pair_ref, a_ref, w2_ref, s2_ref, y_ref, *, block_n, block_k, n_k, interpret):
+def route(scores, keys, k: int, j, *, route_scale: float, normalize: bool):
+    """Token routing in registers: ``scores`` fp32 ``[Ep]`` the router's scores, ``keys``
+    ``[Ep]`` the selection keys (the scores plus the selection bias; ``-inf`` on lanes past
+    the experts) -> the ``j``-th smallest id of the ``k`` experts of largest key (equal keys:
+    the lower id first, as ``lax.top_k``) and its weight: its score, over the chosen scores'
+    sum ``+ 1e-20`` where ``normalize`` (and ``k > 1``), times ``route_scale``. ``j`` may be
+    traced."""
+    Ep = scores.shape[0]
+    lanes = jax.lax.broadcasted_iota(I32, (Ep,), 0)
+    chosen = lanes < 0
+    for _ in range(k):                                  # the largest key not yet chosen
+        m = jnp.max(jnp.where(chosen, -jnp.inf, keys))
+        first = jnp.min(jnp.where(chosen | (keys != m), Ep, lanes))
+        chosen = chosen | (lanes == first)
+    rest, e = chosen, jnp.int32(0)
+    for jj in range(k):                                 # the chosen ids, smallest first
+        lo = jnp.min(jnp.where(rest, lanes, Ep))
+        rest = rest & (lanes != lo)
+        e = jnp.where(j == jj, lo, e)
+    w = jnp.sum(jnp.where(lanes == e, scores, 0.0))
+    if normalize and k > 1:
+        w = w / (jnp.sum(jnp.where(chosen, scores, 0.0)) + np.float32(1e-20))
+    return e, w * np.float32(route_scale)
+
+
+def _routed_up_kernel(scores_ref, keys_ref, at_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref,
+                      a_ref, ids_ref, *, k, E, block_n, block_k, n_k, limit, route_scale,
+                      normalize, interpret):
     p, nb = pl.program_id(0), pl.program_id(1)
-    e, n0 = pair_ref[p], nb * block_n
+    t, n0 = p // k, nb * block_n
+    e, rw = route(scores_ref[t, :], keys_ref[t, :], k, p % k, route_scale=route_scale,
+                  normalize=normalize)
+    g, u = _row_sums(x_ref, t, ((w1_ref, s1_ref), (w3_ref, s3_ref)), e + at_ref[0] * E, n0,
+                     block_n=block_n, block_k=block_k, n_k=n_k, interpret=interpret)
+    g = g.astype(BF16).astype(F32)
+    u = u.astype(BF16).astype(F32)
+    if limit > 0:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
+    a = g * jax.nn.sigmoid(g) * u * rw
+    a_ref[p, pl.ds(n0, block_n)] = a.astype(a_ref.dtype)
+
+    @pl.when(nb == 0)
+    def _():
+        ids_ref[p] = e
+
+
+def _down_kernel(pair_ref, at_ref, a_ref, w2_ref, s2_ref, y_ref, *, E, block_n, block_k, n_k,
+                 interpret):
+    p, nb = pl.program_id(0), pl.program_id(1)
+    e, n0 = pair_ref[p] + at_ref[0] * E, nb * block_n
     [y] = _row_sums(a_ref, p, ((w2_ref, s2_ref),), e, n0, block_n=block_n, block_k=block_k,
                     n_k=n_k, interpret=interpret)
     y_ref[p, pl.ds(n0, block_n)] = y.astype(y_ref.dtype)
@@ -177,10 +225,11 @@ def as_bytes(w: dict) -> tuple[jax.Array, jax.Array]:
 
 def _launch(kernel, grid, out_shape, name, num_warps, num_stages, interpret):
     """``pallas_call`` of ``kernel`` on whole operands (it indexes them itself), a bf16
-    output of ``out_shape``."""
+    output of ``out_shape`` (a shape; or a list of ``jax.ShapeDtypeStruct``)."""
+    many = isinstance(out_shape, list)
     return pl.pallas_call(
-        kernel, grid=grid, out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct(out_shape, BF16),
+        kernel, grid=grid, out_specs=[pl.BlockSpec()] * len(out_shape) if many else pl.BlockSpec(),
+        out_shape=out_shape if many else jax.ShapeDtypeStruct(out_shape, BF16),
         compiler_params=pltr.CompilerParams(num_warps=num_warps or NUM_WARPS,
                                             num_stages=num_stages),
         interpret=interpret, name=name)
@@ -204,17 +253,42 @@ def up(x, w1, s1, w3, s3, pair_expert, route_w, *, k, limit, block_n=None, block
                                           s1, w3, s3)
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
-def down(a, w2, s2, pair_expert, *, block_n=None, block_k=None, num_warps=None,
-         num_stages=3, interpret=False):
+@functools.partial(jax.jit, static_argnames=("E", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def down(a, w2, s2, pair_expert, at=None, *, E=0, block_n=None, block_k=None,
+         num_warps=None, num_stages=3, interpret=False):
     """The down kernel: ``a [P, I]`` bf16, ``w2`` bytes ``[EL, D, I / 2]`` with scales
-    ``[EL, I / 32, D]``, ``pair_expert [P]`` -> each pair's output ``bf16(QDQ(a) @ w2^T)``
-    ``[P, D]``."""
+    ``[EL, I / 32, D]``, ``pair_expert [P]`` (plus ``at * E``: ``at`` int32 ``[1]``, a layer's
+    index in a stack of ``E`` experts a layer; None: 0) -> each pair's output
+    ``bf16(QDQ(a) @ w2^T)`` ``[P, D]``."""
     P, I = a.shape
     D = w2.shape[1]
     block_n, block_k = pick_blocks(P, D, I, block_n, block_k)
-    kernel = functools.partial(_down_kernel, block_n=block_n, block_k=block_k,
+    kernel = functools.partial(_down_kernel, E=E, block_n=block_n, block_k=block_k,
                                n_k=I // block_k, interpret=interpret)
+    at = jnp.zeros((1,), I32) if at is None else jnp.reshape(at, (1,)).astype(I32)
     return _launch(kernel, (P, D // block_n), (P, D), "gathered_experts_down", num_warps,
-                   num_stages, interpret)(pair_expert.astype(I32), a, w2, s2)
+                   num_stages, interpret)(pair_expert.astype(I32), at, a, w2, s2)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "E", "limit", "route_scale", "normalize",
+                                             "block_n", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def routed_up(scores, keys, at, x, w1, s1, w3, s3, *, k, E, limit, route_scale, normalize,
+              block_n=None, block_k=None, num_warps=None, num_stages=3, interpret=False):
+    """The up kernel routing its own pairs (:func:`route`): ``scores`` and ``keys`` fp32
+    ``[T, Ep]`` (``Ep`` a power of two >= ``E``; keys ``-inf`` past ``E``), ``at`` int32 ``[1]``
+    (the layer's index in ``w1``'s stack of ``E`` experts a layer), ``x [T, D]`` and the
+    weights as :func:`up` -> ``(a`` bf16 ``[T * k, I]``, the pairs' expert ids int32
+    ``[T * k]``: each token's ``k`` in increasing id``)``."""
+    T, D = x.shape
+    P = T * k
+    I = w1.shape[1]
+    block_n, block_k = pick_blocks(P, I, D, block_n, block_k)
+    kernel = functools.partial(_routed_up_kernel, k=k, E=E, block_n=block_n, block_k=block_k,
+                               n_k=D // block_k, limit=limit, route_scale=route_scale,
+                               normalize=normalize, interpret=interpret)
+    out = [jax.ShapeDtypeStruct((P, I), BF16), jax.ShapeDtypeStruct((P,), I32)]
+    return _launch(kernel, (P, I // block_n), out, "gathered_experts_up", num_warps,
+                   num_stages, interpret)(scores.astype(F32), keys.astype(F32),
+                                          jnp.reshape(at, (1,)).astype(I32), x, w1, s1, w3, s3)
