@@ -11,7 +11,6 @@ What ``sampling.TOP_P_CANDIDATE_ROWS`` is set from (docs/benchmarks.md, "Samplin
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from unittest import mock
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import write_json
 from dsv41_jax import sampling
 from dsv41_jax.sampling import SamplingParams
 
@@ -95,9 +95,7 @@ def main(argv=None) -> int:
             res["rows"].append(row)
             print(f"B={rows:3d}  {name:28s} synced {row['synced_ms']:7.3f} ms  queued "
                   f"{row['queued_ms']:7.3f} ms", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
     return 0
 
 

@@ -127,13 +127,19 @@ def _up_kernel(pair_ref, rw_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, a_ref, *
     e, n0 = pair_ref[p], nb * block_n
     g, u = _row_sums(x_ref, p // k, ((w1_ref, s1_ref), (w3_ref, s3_ref)), e, n0,
                      block_n=block_n, block_k=block_k, n_k=n_k, interpret=interpret)
+    a_ref[p, pl.ds(n0, block_n)] = _swiglu(g, u, rw_ref[p], limit).astype(a_ref.dtype)
+
+
+def _swiglu(g, u, route_w, limit: float):
+    """A pair's activation from its rows' fp32 sums of ``w1`` (``g``) and ``w3`` (``u``):
+    each rounded to bf16 (a linear's output), the clamps (``limit > 0``: ``u`` to
+    ``[-limit, limit]``, ``g`` from above), ``silu(g) * u * route_w`` in fp32."""
     g = g.astype(BF16).astype(F32)
     u = u.astype(BF16).astype(F32)
     if limit > 0:
         u = jnp.clip(u, -limit, limit)
         g = jnp.minimum(g, limit)
-    a = g * jax.nn.sigmoid(g) * u * rw_ref[p]
-    a_ref[p, pl.ds(n0, block_n)] = a.astype(a_ref.dtype)
+    return g * jax.nn.sigmoid(g) * u * route_w
 
 
 def route(scores, keys, k: int, j, *, route_scale: float, normalize: bool):
@@ -170,13 +176,7 @@ def _routed_up_kernel(scores_ref, keys_ref, at_ref, x_ref, w1_ref, s1_ref, w3_re
                   normalize=normalize)
     g, u = _row_sums(x_ref, t, ((w1_ref, s1_ref), (w3_ref, s3_ref)), e + at_ref[0] * E, n0,
                      block_n=block_n, block_k=block_k, n_k=n_k, interpret=interpret)
-    g = g.astype(BF16).astype(F32)
-    u = u.astype(BF16).astype(F32)
-    if limit > 0:
-        u = jnp.clip(u, -limit, limit)
-        g = jnp.minimum(g, limit)
-    a = g * jax.nn.sigmoid(g) * u * rw
-    a_ref[p, pl.ds(n0, block_n)] = a.astype(a_ref.dtype)
+    a_ref[p, pl.ds(n0, block_n)] = _swiglu(g, u, rw, limit).astype(a_ref.dtype)
 
     @pl.when(nb == 0)
     def _():
