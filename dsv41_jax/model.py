@@ -562,9 +562,10 @@ def _pin_stacked(tree):
 
 def _unpin(scanned, pinned, at):
     """This layer's parameters: ``scanned`` (sliced by the scan) with the pinned ones put
-    back: an array as its layer's slice of the stack, the FP8 linears, kernel-form experts
-    and host tables as their whole stacks with ``at`` (int32: the layer's index in the
-    flattened stack ``[units * layers, ...]``), and a block's mHC heads and sublayer norms
+    back: an array as its layer's slice of the stack, the FP8 linears, kernel-form experts,
+    host tables and an attention's ``kv_norm`` as their whole stacks with ``at`` (int32: the
+    layer's index in the flattened stack ``[units * layers, ...]``), and a block's mHC heads
+    and sublayer norms
     (:data:`MHC_STACKED`, ``attn_norm``, ``ffn_norm``) as flattened stacks with that index as
     ``hc_at`` (:func:`dsv41_jax.layers.mhc.block_wiring`)."""
     if pinned is None:
@@ -580,6 +581,11 @@ def _unpin(scanned, pinned, at):
              and all("weight" in pinned.get(n, {}) for n in ("attn_norm", "ffn_norm")))
     out = {k: _unpin(None if scanned is None else scanned.get(k), pinned[k], at)
            for k in pinned if not (heads and k in MHC_STACKED)}
+    if "kv_norm" in pinned and "wkv" in pinned:
+        # an attention's window KV norm as its whole stack with the index: a decode step's
+        # ring kernel reads it in place (layers.attention.layer_weight slices it elsewhere)
+        out["kv_norm"] = {**out["kv_norm"], "weight": _flat_stack(pinned["kv_norm"]["weight"]),
+                          "at": at}
     if heads:
         out.update({k: _flat_stack(pinned[k]) for k in MHC_STACKED}, hc_at=at)
         for n in ("attn_norm", "ffn_norm"):

@@ -245,6 +245,27 @@ def test_pair_matches_two_calls(M, K, N0, N1, L, act_quant, tune):
         np.testing.assert_allclose(  # the reference pair is the single GEMV twice
             np.asarray(want[1]), np.asarray(gemv.fp8_gemv(x, w1, s1, at, act_quant=act_quant,
                                                           impl="xla")), rtol=0, atol=0)
+        # with partials: the same outputs and the kernel's output before the reduction of
+        # its K splits, whose sum from 0 in order is both outputs side by side
+        for impl in ("xla", "gpu_interpret"):
+            kw = tune if impl == "gpu_interpret" else {}
+            y0, y1, parts = gemv.fp8_gemv_pair(x, w0, s0, w1, s1, at, act_quant=act_quant,
+                                               out_dtype=jnp.bfloat16, impl=impl,
+                                               partials=True, **kw)
+            plain = gemv.fp8_gemv_pair(x, w0, s0, w1, s1, at, act_quant=act_quant,
+                                       out_dtype=jnp.bfloat16, impl=impl, **kw)
+            S = parts.shape[0]                    # the kernel's K splits (1 in XLA's form)
+            assert S == (kw.get("k_splits", S) if impl == "gpu_interpret" else 1)
+            assert parts.shape[1] >= M and parts.shape[2] == N0 + N1
+            assert parts.dtype == (jnp.float32 if S > 1 else jnp.bfloat16)
+            total = jnp.zeros(parts.shape[1:], jnp.float32)
+            for s in range(S):
+                total = total + parts[s].astype(jnp.float32)
+            total = np.asarray(total.astype(jnp.bfloat16))[:M]
+            for a, b in ((y0, plain[0]), (y1, plain[1])):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(total, np.concatenate(
+                [np.asarray(y0), np.asarray(y1)], axis=-1))
     assert not gemv.pair_fits((1, 2, 256), (1, 64, 256), (1, 64, 256))   # grouped input
     assert not gemv.pair_fits((1, 1, 256), (2, 64, 256), (1, 64, 256))   # stack depths differ
     w, sc = jnp.zeros((1, 64, 96), jnp.float8_e4m3fn), jnp.zeros((1, 2, 3), jnp.uint8)

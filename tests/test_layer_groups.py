@@ -120,7 +120,9 @@ def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
     (``attention.RING_IN_PLACE``): logits and every state array bitwise equal to the copy
     with the row appended, over several steps on groups whose units and runs both repeat,
     with a batch row that starts later (its window not yet full, then wrapping). Batch 1
-    writes the row as a slice update, batch 2 as a scatter."""
+    writes the row as a slice update, batch 2 as a scatter. At batch 2 also with the window
+    row made in the ring kernel (``attention.WINDOW_ROW_IN_KERNEL``: its norm and RoPE, which
+    interpret mode runs in the reference's order): the same bits."""
     from configs_util import scanned_tiny_config
     from dsv41_jax import state as st
     from dsv41_jax.layers import attention
@@ -138,8 +140,9 @@ def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
     out, prefilled = model.prefill(params, cfg, tokens, st.init_state(cfg, B, 64), lengths,
                                    attn_impl="gpu_interpret")
 
-    def run(impl, in_place):
+    def run(impl, in_place, row_in_kernel=False):
         monkeypatch.setattr(attention, "RING_IN_PLACE", in_place)
+        monkeypatch.setattr(attention, "WINDOW_ROW_IN_KERNEL", row_in_kernel)
         jax.clear_caches()        # the switch is read when the step is traced
         state = jax.tree.map(jnp.copy, prefilled)
         logits = [np.asarray(out.logits)]
@@ -149,12 +152,13 @@ def test_decode_rings_in_place_equal_copies(monkeypatch, lengths):
             logits.append(np.asarray(lg))
         return logits, jax.tree.map(np.asarray, state)
 
-    lg_in, s_in = run("gpu_interpret", True)
     lg_copy, s_copy = run("gpu_interpret", False)
-    for a, b in zip(lg_in, lg_copy):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(s_in), jax.tree.leaves(s_copy)):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    for row_in_kernel in (False, True) if B == 2 else (False,):
+        lg_in, s_in = run("gpu_interpret", True, row_in_kernel)
+        for a, b in zip(lg_in, lg_copy):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(s_in), jax.tree.leaves(s_copy)):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def test_unrolled_decode_runs_equal_the_loop(monkeypatch):

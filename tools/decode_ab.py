@@ -81,9 +81,14 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     # the decode step's window rows quantised and written by XLA (three launches a layer)
     # instead of the window ring kernel (one)
     "ring_xla": {("pallas_kernels.window_ring", "MAX_ROWS"): 0},
-    # the MoE router's top-k and weights made in the gathered-experts up kernel instead of
-    # by XLA (two launches a layer fewer)
-    "route_kernel": {("dsv41_jax.layers.moe", "ROUTE_IN_KERNEL"): True},
+    # the MoE router's top-k and weights made by XLA (two launches a layer more) instead of
+    # in the gathered-experts up kernel (the default)
+    "route_xla": {("dsv41_jax.layers.moe", "ROUTE_IN_KERNEL"): False},
+    # the decode step's window row (its kv_norm and RoPE) made by XLA (two launches a layer
+    # more) instead of in the window ring kernel from the wkv GEMV's partial sums (the default)
+    "row_xla": {("dsv41_jax.layers.attention", "WINDOW_ROW_IN_KERNEL"): False},
+    "route_row_xla": {("dsv41_jax.layers.moe", "ROUTE_IN_KERNEL"): False,
+                      ("dsv41_jax.layers.attention", "WINDOW_ROW_IN_KERNEL"): False},
 }
 
 KEPT = ("ms_per_step", "ms_per_step_min", "ms_per_step_queued", "device_ms_per_step",

@@ -81,6 +81,13 @@ class Bus:
 #: group's) rings in place and lists the ring slots, instead of a copy of the ring with the
 #: row appended (docs/architecture.md, "Scanned layer groups"); False: the copy.
 RING_IN_PLACE = True
+#: With :data:`RING_IN_PLACE`, the ring write's kernel also makes the window row from the
+#: ``wkv`` GEMV's partial sums (its ``kv_norm`` and RoPE, :func:`window_rows`): one launch where
+#: XLA takes three on a GPU. Timed on an H100 (``mid`` decode after 4K, batch 1,
+#: ``tools/decode_ab.py --variants row_xla,base``; docs/benchmarks.md, "Switches timed"):
+#: 6.11 -> 6.04 ms queued, 1,487 -> 1,407 launches traced. False: :func:`window_rows` in
+#: XLA, the kernel quantising its output.
+WINDOW_ROW_IN_KERNEL = True
 
 
 # ----------------------------------------------------------------------------- sparse attention
@@ -169,12 +176,20 @@ def queries(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, qa=No
     return qr, apply_rope(q, cos[:, :, None], sin[:, :, None])
 
 
+def layer_weight(p: dict) -> jax.Array:
+    """A norm's ``weight``: its layer's slice where it comes as a scanned group's whole stack
+    with the layer's index ``at`` (``model._unpin``)."""
+    if "at" in p:
+        return jax.lax.dynamic_index_in_dim(p["weight"], p["at"], keepdims=False)
+    return p["weight"]
+
+
 def window_rows(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, kva=None
                 ) -> Float[Array, "B S K"]:
     """Window KV of the rows ``x`` before its FP8 quantisation (docs/architecture.md, "Window
     KV"): RMSNorm, RoPE. ``kva``: ``linear(x, p["wkv"])`` when the caller has it."""
     kva = linear(x, p["wkv"]) if kva is None else kva
-    kv = rms_norm(kva, p["kv_norm"]["weight"], cfg.norm_eps)
+    kv = rms_norm(kva, layer_weight(p["kv_norm"]), cfg.norm_eps)
     return apply_rope(kv, cos, sin)
 
 
@@ -215,7 +230,8 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     B, S, _ = x.shape
     H, K, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     cos, sin = rope_angles(ch.positions, ch.freqs[role.rope])
-    qa, kva = linear_pair(x, p["wq_a"], p["wkv"])      # one GEMV launch in a decode step
+    # one GEMV launch in a decode step; its partial sums for the ring kernel (below)
+    qa, kva, qkv_parts = linear_pair(x, p["wq_a"], p["wkv"], partials=True)
     qr, q = queries(p, x, cfg, cos, sin, qa)
     kv_rows = window_rows(p, x, cfg, cos, sin, kva)
     kv_codes, kv_scale = quant.fp8_quantize(kv_rows, 32)
@@ -256,10 +272,15 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
             # quantised and written there first, one kernel launch on a GPU
             widx = at * W + jnp.where(widx >= W, jnp.mod(ch.p0, W)[:, None, None], widx)
             wlist = jnp.where(wok & qv, widx, -1)
+            kn = p["kv_norm"]
+            row = (dict(rows=kva[:, 0] if qkv_parts is None else qkv_parts,
+                        norm=(kn["weight"], cfg.norm_eps, kn.get("at")),
+                        rope=(ch.positions[:, 0], ch.freqs[role.rope])) if WINDOW_ROW_IN_KERNEL
+                   else dict(rows=kv_rows[:, 0]))
             win_kv, win_scale = window_ring.quantize_write(
                 ring.kv.reshape(B, -1, ring.kv.shape[-1]),
-                ring.scale.reshape(B, -1, ring.scale.shape[-1]), kv_rows[:, 0], wlist[:, 0],
-                column=W - 1, impl=ch.attn_impl)
+                ring.scale.reshape(B, -1, ring.scale.shape[-1]), index=wlist[:, 0],
+                column=W - 1, impl=ch.attn_impl, **row)
             ring = st.WindowRing(kv=win_kv.reshape(ring.kv.shape),
                                  scale=win_scale.reshape(ring.scale.shape))
         else:

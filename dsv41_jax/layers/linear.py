@@ -160,12 +160,14 @@ def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
 PAIRED_GEMV = True
 
 
-def linear_pair(x: Float[Array, "... I"], p0: dict, p1: dict
-                ) -> tuple[Float[Array, "... O0"], Float[Array, "... O1"]]:
+def linear_pair(x: Float[Array, "... I"], p0: dict, p1: dict, *, partials: bool = False):
     """``(linear(x, p0), linear(x, p1))``, the same values: on a GPU, two stored-form FP8
     linears of a scanned layer (a layer's ``wq_a`` and ``wkv``, a shared expert's ``w1`` and
     ``w3``) in one launch of the stacked GEMV kernel
-    (:func:`pallas_kernels.gemv.fp8_gemv_pair`), else one after the other."""
+    (:func:`pallas_kernels.gemv.fp8_gemv_pair`), else one after the other. ``partials``: a
+    third value, ``(parts, O0)`` where that kernel ran (its output before the reduction of
+    its K splits, both linears side by side, the second from column ``O0``; rows as the
+    flattened ``...``), else None."""
     if (PAIRED_GEMV and on_gpu() and "at" in p0 and "at" in p1 and "fp8" in p0 and "fp8" in p1
             and is_quantized(p0) == is_quantized(p1)):
         w0, s0 = p0["fp8"], p0["scale"]
@@ -174,11 +176,13 @@ def linear_pair(x: Float[Array, "... I"], p0: dict, p1: dict
         w1, s1 = w1.reshape(-1, *w1.shape[-2:]), s1.reshape(-1, *s1.shape[-2:])
         x3 = x.reshape(-1, 1, x.shape[-1])
         if gemv.pair_fits(x3.shape, w0.shape, w1.shape) and x3.shape[0] <= gemv.AUTO_MAX_ROWS:
-            y0, y1 = gemv.fp8_gemv_pair(x3, w0, s0, w1, s1, p0["at"],
-                                        act_quant=is_quantized(p0), out_dtype=BF16,
-                                        impl="gpu")
-            return y0.reshape(*x.shape[:-1], -1), y1.reshape(*x.shape[:-1], -1)
-    return linear(x, p0), linear(x, p1)
+            y0, y1, *parts = gemv.fp8_gemv_pair(x3, w0, s0, w1, s1, p0["at"],
+                                                act_quant=is_quantized(p0), out_dtype=BF16,
+                                                impl="gpu", partials=partials)
+            ys = y0.reshape(*x.shape[:-1], -1), y1.reshape(*x.shape[:-1], -1)
+            return (*ys, (parts[0], y0.shape[-1])) if partials else ys
+    ys = linear(x, p0), linear(x, p1)
+    return (*ys, None) if partials else ys
 
 
 def grouped_linear(x: Float[Array, "... G I"], p: dict) -> Float[Array, "... G O"]:

@@ -270,10 +270,11 @@ GATHERED_KERNELS = True
 #: experts (equal keys: the lower id, as ``lax.top_k``); the weights' normalising sum in
 #: another order (an fp32 rounding). ``moe`` still returns the XLA gate's ids and weights,
 #: which a decode step does not read (XLA drops them). Counted without a GPU (``mid`` decode
-#: at batch 1, H200): 1,476 launches a step against 1,539. Off until it is checked and timed
-#: on a GPU (tests/test_gathered_experts.py runs the kernels there; ``tools/decode_ab.py
-#: --variants base,route_kernel``).
-ROUTE_IN_KERNEL = False
+#: at batch 1, H200): 1,476 launches a step against 1,539. Timed on an H100 (``mid`` decode
+#: after 4K, batch 1, ``tools/decode_ab.py --variants route_xla,base``; docs/benchmarks.md,
+#: "Switches timed"): 6.11 -> 6.00 ms queued, 1,487 -> 1,423 launches traced. False: XLA's
+#: router before the gathered-experts kernels.
+ROUTE_IN_KERNEL = True
 
 
 def expected_rereads(n_tokens: int, k: int, n_exp: int) -> float:

@@ -95,11 +95,16 @@ def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go G
 def fp8_gemv_pair(x: Float[Array, "M 1 K"], w0: jax.Array, scale0: UInt8[Array, "L Go0 Gi"],
                   w1: jax.Array, scale1: UInt8[Array, "L Go1 Gi"], layer: Int[Array, ""], *,
                   act_quant: bool = False, out_dtype=jnp.float32, impl: str = "auto",
-                  **tuning) -> tuple[Float[Array, "M N0"], Float[Array, "M N1"]]:
+                  partials: bool = False, **tuning):
     """:func:`fp8_gemv` of two weight stacks that read the same input (a layer's ``wq_a`` and
     ``wkv``, a shared expert's ``w1`` and ``w3``): ``(x @ W0[layer].T, x @ W1[layer].T)``. The
     GPU kernel runs both in one launch (its programs' row blocks span the two weights), so a
     decode step launches one kernel, and one partial-sum reduction, where it launched two.
+    Returns ``(y0 [M, N0], y1 [M, N1])`` of ``out_dtype``; with ``partials``, ``(y0, y1,
+    parts)``: ``parts`` ``[S, rows >= M, N0 + N1]`` (fp32, or ``out_dtype`` where ``S`` is 1),
+    the two outputs side by side before the reduction of the kernel's K splits (the outputs'
+    row ``m`` is ``out_dtype(0 + sum_s parts[s, m])``; the XLA form gives ``S = 1``), for a
+    consumer kernel that reads them in place (:func:`pallas_kernels.window_ring.quantize_write`).
     Raises ``ValueError`` as :func:`fp8_gemv` (``impl="gpu"``: shapes :func:`pair_fits`
     refuses) and an ``out_dtype`` other than float32 / bfloat16."""
     impl = impls.check_family(impl)
@@ -108,12 +113,13 @@ def fp8_gemv_pair(x: Float[Array, "M 1 K"], w0: jax.Array, scale0: UInt8[Array, 
                 and x.shape[0] <= AUTO_MAX_ROWS else "xla")
     _check_out_dtype(out_dtype)
     if impl in ("xla", "tpu", "tpu_interpret"):
-        return (reference.fp8_gemv(x, w0, scale0, layer, act_quant).astype(out_dtype),
-                reference.fp8_gemv(x, w1, scale1, layer, act_quant).astype(out_dtype))
+        y0 = reference.fp8_gemv(x, w0, scale0, layer, act_quant).astype(out_dtype)
+        y1 = reference.fp8_gemv(x, w1, scale1, layer, act_quant).astype(out_dtype)
+        return (y0, y1, jnp.concatenate([y0, y1], axis=-1)[None]) if partials else (y0, y1)
     if not pair_fits(x.shape, w0.shape, w1.shape):
         raise ValueError(f"fp8_gemv_pair: the GPU kernel does not take x {x.shape} with w "
                          f"{w0.shape} and {w1.shape}")
-    y0, y1 = triton.fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, act_quant=act_quant,
-                                  out_dtype=jnp.dtype(out_dtype).name,
-                                  interpret=impls.interpret(impl), **tuning)
-    return y0, y1
+    return tuple(triton.fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, act_quant=act_quant,
+                                      out_dtype=jnp.dtype(out_dtype).name,
+                                      interpret=impls.interpret(impl), partials=partials,
+                                      **tuning))

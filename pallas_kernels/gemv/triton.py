@@ -304,15 +304,15 @@ def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None
 
 @functools.partial(jax.jit, static_argnames=("act_quant", "block_k", "k_splits", "block_n",
                                              "num_warps", "num_stages", "interpret",
-                                             "out_dtype"))
+                                             "out_dtype", "partials"))
 def fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, *, act_quant=False, block_k=None,
                   k_splits=None, block_n=None, num_warps=4, num_stages=3, interpret=False,
-                  out_dtype="float32"):
+                  out_dtype="float32", partials=False):
     """See :func:`pallas_kernels.gemv.fp8_gemv_pair`: two weight stacks ``[L, N0, K]``,
     ``[L, N1, K]`` on one input ``x [M, 1, K]`` in one launch (the programs of each row block
     run on its weight). ``block_n`` (default :func:`default_block_n` of ``N0 + N1``, 32 where
     it does not divide both) must divide ``N0`` and ``N1``. Returns ``([M, N0], [M, N1])`` of
-    ``out_dtype``."""
+    ``out_dtype``; ``partials``: also the kernel's output before the reduction (:func:`_call`)."""
     N0, N1 = w0.shape[1], w1.shape[1]
     if block_n is None:
         block_n = default_block_n(N0 + N1, N0 + N1)
@@ -321,17 +321,21 @@ def fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, *, act_quant=False, block_k=
         raise ValueError(f"block_n={block_n} must divide both weights' rows, {N0} and {N1}")
     return _call(x, ((w0, scale0), (w1, scale1)), layer, act_quant=act_quant,
                  block_k=block_k, k_splits=k_splits, block_n=block_n, num_warps=num_warps,
-                 num_stages=num_stages, interpret=interpret, out_dtype=out_dtype)
+                 num_stages=num_stages, interpret=interpret, out_dtype=out_dtype,
+                 partials=partials)
 
 
 def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps, num_stages,
-          interpret, out_dtype="float32"):
+          interpret, out_dtype="float32", partials=False):
     """The kernel over ``weights`` (``((w, scale), ...)``, their rows one after another in
     the output); the outputs per weight, ``[M, N_i]`` of ``out_dtype`` (the fp32 sums
     rounded once: in the kernel's store without a K split, after the partial sums' reduction
     with one). Up to 16 rows the kernel writes only the input's rows of its 16-row tile;
     above, whole tiles of 32 or 64 rows (:func:`tile_rows`), the rows past ``M`` cut off
-    after the call."""
+    after the call. ``partials``: the outputs and, last, the kernel's own ``[S, rows, N]``
+    (``S`` K splits, ``rows >= M``; fp32 sums with ``S > 1``, else ``out_dtype``), whose
+    output row ``m`` is ``out_dtype(0 + sum_s parts[s, m])``, so a consumer kernel can read
+    it without XLA's reduction and slices before it."""
     M, G, K = x.shape
     if M > MAX_TILE_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_TILE_ROWS} rows, got {M}")
@@ -361,6 +365,6 @@ def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps
     )(jnp.reshape(layer, (1,)).astype(I32), x, *[a for pair in weights for a in pair])
     y = part[0] if k_splits == 1 else jnp.sum(part, axis=0).astype(out_dtype)
     y = y[:M]
-    if len(weights) == 1:
-        return [y]
-    return [y[:, a:a + n] for a, n in zip(np.cumsum([0] + sizes[:-1]), sizes)]
+    ys = [y] if len(weights) == 1 else [y[:, a:a + n]
+                                        for a, n in zip(np.cumsum([0] + sizes[:-1]), sizes)]
+    return ys + [part] if partials else ys

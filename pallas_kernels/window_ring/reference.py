@@ -1,7 +1,7 @@
-"""The jnp reference of :mod:`pallas_kernels.window_ring`: FP8 quantisation of one window KV
-row per batch row (:func:`pallas_kernels.fp4.reference.fp8_quantize`, 32 values per E8M0
-scale) and its write into one row of the window rings, in place where the rings' buffers are
-donated."""
+"""The jnp reference of :mod:`pallas_kernels.window_ring`: a decode step's window KV row per
+batch row (optionally RMS-normalised and RoPE'd first, :func:`window_row`), its FP8
+quantisation (:func:`pallas_kernels.fp4.reference.fp8_quantize`, 32 values per E8M0 scale) and
+its write into one row of the window rings, in place where the rings' buffers are donated."""
 
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp4.reference import fp8_quantize
+from pallas_kernels.mhc.reference import rms_norm
+from pallas_kernels.rope import apply_rope, rope_angles
+
+
+def window_row(rows: jax.Array, norm=None, rope=None) -> jax.Array:
+    """The window KV rows from the ``wkv`` projection's rows: ``rms_norm(rows, *norm)`` where
+    ``norm = (weight [K], eps)`` is given, then ``apply_rope(.., *rope_angles(*rope))`` where
+    ``rope = (positions int32 [B], freqs fp32 [R/2])`` is given (docs/architecture.md, "Window
+    KV")."""
+    if norm is not None:
+        rows = rms_norm(rows, norm[0], norm[1])
+    if rope is not None:
+        rows = apply_rope(rows, *rope_angles(rope[0], rope[1]))
+    return rows
 
 
 def write_rows(ring_kv: jax.Array, ring_scale: jax.Array, codes: jax.Array, scale: jax.Array,
@@ -34,7 +48,8 @@ def write_rows(ring_kv: jax.Array, ring_scale: jax.Array, codes: jax.Array, scal
             ring_scale.at[b, t].set(scale, mode="drop"))
 
 
-def quantize_write(ring_kv, ring_scale, rows, index, column: int):
-    """:func:`write_rows` of ``fp8_quantize(rows, 32)`` at ``index[:, column]``."""
-    codes, scale = fp8_quantize(rows, 32)
+def quantize_write(ring_kv, ring_scale, rows, index, column: int, norm=None, rope=None):
+    """:func:`write_rows` of ``fp8_quantize(window_row(rows, norm, rope), 32)`` at
+    ``index[:, column]``."""
+    codes, scale = fp8_quantize(window_row(rows, norm, rope), 32)
     return write_rows(ring_kv, ring_scale, codes, scale, index[:, column])
