@@ -61,7 +61,8 @@ def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
         key = (tuple(x.shape), (L, N0 + w1.shape[1], K), bool(act_quant), (N0, w1.shape[1]))
         seen[key] = seen.get(key, 0) + 1
         return real_pair(x, w0, s0, w1, s1, layer, act_quant=act_quant, impl="xla",
-                         out_dtype=kw.get("out_dtype", jnp.float32))
+                         out_dtype=kw.get("out_dtype", jnp.float32),
+                         partials=kw.get("partials", False))
 
     state = st.init_state(cfg, batch, 64)
     step = model.decode_fn(cfg, attn_impl="xla")
