@@ -374,3 +374,107 @@ def test_decode_through_the_kernel_matches_the_stored_form():
     want, got = np.asarray(want), np.asarray(got)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    # the query's RoPE and the output's inverse one inside the kernel (lin.ROPE_IN_KERNEL):
+    # the same bits as XLA's rotations around it
+    ropes = []
+
+    def rope_gemv(*a, impl, **kw):
+        ropes.extend(k for k in ("rope_in", "rope_out") if kw.get(k) is not None)
+        return gemv.fp8_gemv(*a, impl="gpu_interpret", **kw)
+
+    fake.fp8_gemv = rope_gemv
+    with mock.patch.object(lin, "on_gpu", lambda: True), mock.patch.object(lin, "gemv", fake), \
+            mock.patch.object(lin, "ROPE_IN_KERNEL", True):
+        turned, _ = jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
+    assert "rope_in" in ropes and "rope_out" in ropes
+    np.testing.assert_array_equal(np.asarray(turned), got)
+
+
+def _rope_args(rng, M, pairs, head, inverse):
+    positions = jnp.asarray(rng.integers(0, 70_000, M), jnp.int32)
+    freqs = jnp.asarray(1.0 / 10_000.0 ** (np.arange(pairs) / pairs), jnp.float32)
+    return positions, freqs, head, inverse
+
+
+@pytest.mark.parametrize("M, G, K, N, side, tune", [
+    (1, 1, 512, 256, "out", {}),                                   # CUDA cores, in the store
+    (3, 1, 512, 256, "out", {}),                                   # tensor cores
+    (3, 1, 512, 256, "out", {"block_k": 128, "k_splits": 2}),      # after the reduction
+    (1, 2, 512, 128, "in", {}),                                    # grouped input
+    (3, 2, 512, 128, "in", {"block_k": 128, "k_splits": 2}),
+    (17, 2, 256, 64, "in", {}),                                    # a 32-row tile
+])
+def test_rope_in_the_kernel_is_the_rotation_before_or_after(M, G, K, N, side, tune):
+    """``rope_out``: bit for bit the kernel's own bf16 output rotated by
+    :func:`reference.rope_heads`; ``rope_in``: bit for bit the kernel on the rotated input
+    (inverse rotation, act-quant after it); both equal to the XLA path up to summation order,
+    each row at its own position, and the rotation changes the result."""
+    from pallas_kernels.gemv import reference
+    rng = np.random.default_rng(7)
+    w, s = _stack(rng, 2, N, K)
+    x = jnp.asarray(rng.normal(0, 1, (M, G, K)), jnp.bfloat16)
+    at = jnp.int32(1)
+    head = 128
+    rope = _rope_args(rng, M, 16, head, side == "in")
+    kw = dict(out_dtype=jnp.bfloat16, act_quant=side == "out")
+    key = "rope_in" if side == "in" else "rope_out"
+    got = gemv.fp8_gemv(x, w, s, at, impl="gpu_interpret", **kw, **{key: rope}, **tune)
+    if side == "out":
+        plain = gemv.fp8_gemv(x, w, s, at, impl="gpu_interpret", **kw, **tune)
+        want_bits = reference.rope_heads(plain, *rope)
+    else:
+        plain = gemv.fp8_gemv(x, w, s, at, impl="gpu_interpret", **kw, **tune)
+        want_bits = gemv.fp8_gemv(reference.rope_heads(x, *rope), w, s, at,
+                                  impl="gpu_interpret", **kw, **tune)
+    assert got.dtype == jnp.bfloat16 and got.shape == (M, N)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(want_bits).view(np.uint16))
+    xla = np.asarray(gemv.fp8_gemv(x, w, s, at, impl="xla", **kw, **{key: rope}), np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), xla, rtol=1e-2,
+                               atol=1e-2 * np.abs(xla).max())
+    assert not np.array_equal(np.asarray(got), np.asarray(plain))
+    # the rotated channels: the last 32 of each head (output) or every output (input)
+    changed = np.asarray(got) != np.asarray(plain)
+    if side == "out":
+        assert not changed.reshape(M, N // head, head)[..., :head - 32].any()
+
+
+def test_rope_refusals():
+    rng = np.random.default_rng(8)
+    w, s = _stack(rng, 1, 128, 256)
+    x = jnp.asarray(rng.normal(0, 1, (2, 1, 256)), jnp.bfloat16)
+    rope = _rope_args(rng, 2, 16, 128, False)
+    at = jnp.int32(0)
+    with pytest.raises(ValueError, match="rope_in or rope_out, not both"):
+        gemv.fp8_gemv(x, w, s, at, impl="gpu_interpret", rope_in=rope, rope_out=rope)
+    with pytest.raises(ValueError, match=r"rope_out: positions of shape \(2,\)"):
+        gemv.fp8_gemv(x, w, s, at, impl="xla", rope_out=(rope[0][:1], *rope[1:]))
+    with pytest.raises(ValueError, match="rope_in: head=96 must be an even divisor of the 256"):
+        gemv.fp8_gemv(x, w, s, at, impl="gpu_interpret", rope_in=(*rope[:2], 96, True))
+    with pytest.raises(ValueError, match="head=16 must be an even divisor"):   # 32 rotated
+        gemv.fp8_gemv(x, w, s, at, impl="xla", rope_out=(*rope[:2], 16, False))
+    with pytest.raises(ValueError, match=r"\(positions, freqs, head, inverse\) expected"):
+        gemv.fp8_gemv(x, w, s, at, impl="xla", rope_out=rope[:3])
+
+
+@pytest.mark.parametrize("side", ["in", "out"])
+def test_rope_kernel_lowers_for_h200(side):
+    """The mid config's ``wq_b`` (1280 -> 64 heads x 512, the query's rotation in the store)
+    and ``wo_a`` (8 groups of 4096, the output's inverse rotation on the input tiles) at
+    batch 1, built for an H200: one Triton kernel, no XLA rotation around it."""
+    rng = np.random.default_rng(9)
+    if side == "out":
+        x = jnp.zeros((1, 1, 1280), jnp.bfloat16)
+        w, s = jnp.zeros((15, 32768, 1280), jnp.float8_e4m3fn), jnp.zeros((15, 1024, 40), jnp.uint8)
+    else:
+        x = jnp.zeros((1, 8, 4096), jnp.bfloat16)
+        w, s = jnp.zeros((15, 8192, 4096), jnp.float8_e4m3fn), jnp.zeros((15, 256, 128), jnp.uint8)
+    pos, freqs, _, _ = _rope_args(rng, 1, 32, 512, side == "in")
+    rope = ("input" if side == "in" else "output", 512, side == "in")
+    ex = h200_export(lambda x, w, s, l, p, f: gemv_triton.fp8_gemv(
+        x, w, s, l, p, f, act_quant=side == "out", out_dtype="bfloat16", rope=rope),
+        x, w, s, jnp.int32(3), pos, freqs)
+    text = ex.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.cosine" not in text and "stablehlo.concatenate" not in text
+    assert [a.shape for a in ex.out_avals] == [(x.shape[0], w.shape[1])]

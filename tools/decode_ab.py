@@ -89,6 +89,9 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     "row_xla": {("dsv41_jax.layers.attention", "WINDOW_ROW_IN_KERNEL"): False},
     "route_row_xla": {("dsv41_jax.layers.moe", "ROUTE_IN_KERNEL"): False,
                       ("dsv41_jax.layers.attention", "WINDOW_ROW_IN_KERNEL"): False},
+    # the query's RoPE and the attention output's inverse one applied by the FP8 GEMV kernels
+    # of wq_b and wo_a to their tiles (two launches a layer fewer) instead of by XLA
+    "rope_gemv": {("dsv41_jax.layers.linear", "ROPE_IN_KERNEL"): True},
 }
 
 KEPT = ("ms_per_step", "ms_per_step_min", "ms_per_step_queued", "device_ms_per_step",

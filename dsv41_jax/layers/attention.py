@@ -165,13 +165,20 @@ def kv_source_update(p: dict, x, role: LayerRole, cfg: ModelConfig, ch: Chunk,
         tail=new_tail if r > 1 else src.tail)
 
 
-def queries(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, qa=None):
+def queries(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, qa=None,
+            angles: tuple | None = None):
     """Query path (docs/architecture.md, "Queries"): ``(qr bf16 [B, S, q_lora], q bf16
     [B, S, H, K])``, ``q`` RoPE'd with the angles ``cos``/``sin`` [B, S, R/2]. ``qa``:
-    ``linear(x, p["wq_a"])`` when the caller has it (:func:`linear_pair`)."""
+    ``linear(x, p["wq_a"])`` when the caller has it (:func:`linear_pair`). ``angles``: the
+    positions int32 [B, S] and frequencies fp32 [R/2] that ``cos``/``sin`` come from: then
+    ``wq_b``'s linear rotates its output (in the GEMV kernel where it runs), the same
+    values."""
     B, S, _ = x.shape
     qa = linear(x, p["wq_a"]) if qa is None else qa
     qr = rms_norm(qa, p["q_norm"]["weight"], cfg.norm_eps)
+    if angles is not None:
+        q = linear(qr, p["wq_b"], rope=(*angles, cfg.head_dim, False))
+        return qr, q.reshape(B, S, cfg.n_heads, cfg.head_dim)
     q = linear(qr, p["wq_b"]).reshape(B, S, cfg.n_heads, cfg.head_dim)
     return qr, apply_rope(q, cos[:, :, None], sin[:, :, None])
 
@@ -200,11 +207,17 @@ def window_kv(p: dict, x: Float[Array, "B S D"], cfg: ModelConfig, cos, sin, kva
     return quant.fp8_quantize(window_rows(p, x, cfg, cos, sin, kva), 32)
 
 
-def output_projection(p: dict, o: Float[Array, "B S H K"], cfg: ModelConfig, cos, sin
-                      ) -> Float[Array, "B S D"]:
+def output_projection(p: dict, o: Float[Array, "B S H K"], cfg: ModelConfig, cos, sin,
+                      angles: tuple | None = None) -> Float[Array, "B S D"]:
     """Attention output (docs/architecture.md, "Output projection"): inverse RoPE at the
-    query positions, grouped ``wo_a``, ``wo_b``. bf16 [B, S, D]."""
+    query positions, grouped ``wo_a``, ``wo_b``. bf16 [B, S, D]. ``angles``: as
+    :func:`queries`'; then ``wo_a``'s grouped linear rotates its input (in the GEMV kernel
+    where it runs), the same values."""
     B, S = o.shape[:2]
+    if angles is not None:
+        u = grouped_linear(o.reshape(B, S, cfg.o_groups, -1), p["wo_a"],
+                           rope=(*angles, cfg.head_dim, True))
+        return linear(u.reshape(B, S, -1), p["wo_b"])
     o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
     u = grouped_linear(o.reshape(B, S, cfg.o_groups, -1), p["wo_a"])
     return linear(u.reshape(B, S, -1), p["wo_b"])
@@ -232,7 +245,8 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     cos, sin = rope_angles(ch.positions, ch.freqs[role.rope])
     # one GEMV launch in a decode step; its partial sums for the ring kernel (below)
     qa, kva, qkv_parts = linear_pair(x, p["wq_a"], p["wkv"], partials=True)
-    qr, q = queries(p, x, cfg, cos, sin, qa)
+    angles = (ch.positions, jnp.asarray(ch.freqs[role.rope], F32))
+    qr, q = queries(p, x, cfg, cos, sin, qa, angles=angles)
     kv_rows = window_rows(p, x, cfg, cos, sin, kva)
     kv_codes, kv_scale = quant.fp8_quantize(kv_rows, 32)
     kv = quant.fp8_dequantize(kv_codes, kv_scale, 32, BF16)
@@ -292,7 +306,7 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
             None if src is None else src.main, None if src is None else src.main_scale,
             None if src is None else jnp.where(qv, topk, -1),
             p["attn_sink"].astype(F32), scale=K ** -0.5, impl=ch.attn_impl)
-    out = output_projection(p, o, cfg, cos, sin)
+    out = output_projection(p, o, cfg, cos, sin, angles=angles)
     if in_place:
         ls = ls.replace(window=ring)
     elif at is None:

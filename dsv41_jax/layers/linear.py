@@ -40,6 +40,7 @@ from dsv41_jax import quant
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from pallas_kernels import gemv, grouped_matmul
 from pallas_kernels.fp4.common import exp2_int
+from pallas_kernels.gemv.reference import rope_heads
 from pallas_kernels.impls import on_gpu
 from pallas_kernels.mhc.reference import rms_norm  # noqa: F401  (its one copy)
 
@@ -93,11 +94,30 @@ def _in_stack(p: dict) -> dict:
             "scale": jax.lax.dynamic_index_in_dim(s, p["at"], 0, keepdims=False)}
 
 
-def _stack_gemv(x: jax.Array, p: dict, act_quant: bool = False,
-                out_dtype=F32) -> jax.Array | None:
+#: A linear's rotary embedding (:func:`linear`'s and :func:`grouped_linear`'s ``rope``: the
+#: query's after ``wq_b``, the attention output's inverse before ``wo_a``) applied by the FP8
+#: GEMV kernel to its tiles where that kernel runs (``rope_out`` / ``rope_in`` of
+#: :func:`pallas_kernels.gemv.fp8_gemv`: no launch of its own); False: by XLA around it.
+ROPE_IN_KERNEL = False
+
+
+def _rope_heads(y: jax.Array, rope: tuple) -> jax.Array:
+    """``rope`` = ``(positions int32 [...], freqs fp32 [R/2], head, inverse)`` applied by
+    XLA to every head of ``head`` channels along ``y``'s last axis, ``y``'s leading axes
+    starting with the positions' (:func:`pallas_kernels.gemv.reference.rope_heads`)."""
+    positions, freqs, head, inverse = rope
+    lead = positions.shape
+    y2 = y.reshape(math.prod(lead), *y.shape[len(lead):])
+    return rope_heads(y2, positions.reshape(-1), freqs, head, inverse).reshape(y.shape)
+
+
+def _stack_gemv(x: jax.Array, p: dict, act_quant: bool = False, out_dtype=F32,
+                rope_in: tuple | None = None, rope_out: tuple | None = None
+                ) -> jax.Array | None:
     """``x [..., G, K] @ W[at].T`` (fp32 sums, rounded to ``out_dtype``) by the GPU kernel
     that reads the weight in place in its stack (:func:`pallas_kernels.gemv.fp8_gemv`;
-    ``act_quant``: the FP8 QDQ of ``x`` inside it), or None where it does not apply (no
+    ``act_quant``: the FP8 QDQ of ``x`` inside it; ``rope_in`` / ``rope_out``: its
+    rotations, positions over ``x``'s leading axes), or None where it does not apply (no
     stack, not a GPU, shapes it does not take)."""
     if "at" not in p or not on_gpu():
         return None
@@ -106,8 +126,10 @@ def _stack_gemv(x: jax.Array, p: dict, act_quant: bool = False,
     x3 = x.reshape(-1, *x.shape[-2:])
     if not gemv.auto_fits(x3.shape, w.shape):
         return None
+    flat = {k: (r[0].reshape(-1), *r[1:]) for k, r in
+            (("rope_in", rope_in), ("rope_out", rope_out)) if r is not None}
     y = gemv.fp8_gemv(x3, w, s, p["at"], act_quant=act_quant, out_dtype=out_dtype,
-                      impl="gpu")
+                      impl="gpu", **flat)
     return y.reshape(*x.shape[:-2], -1)
 
 
@@ -131,12 +153,25 @@ def _small_rows_matmul(x: jax.Array, p: dict) -> jax.Array:
             + jnp.sum(xf[..., None, 1::2] * hi, axis=-1))
 
 
-def linear(x: Float[Array, "... I"], p: dict) -> Float[Array, "... O"]:
+def linear(x: Float[Array, "... I"], p: dict, *, rope: tuple | None = None
+           ) -> Float[Array, "... O"]:
     """``y = x @ W.T`` with the reference's numerics for the weight's stored dtype
     (docs/architecture.md, "Quantised linears").
 
+    ``rope``: ``(positions int32 [...], freqs fp32 [R/2], head, inverse)``: then the output's
+    heads of ``head`` channels are rotated after its rounding, row ``...`` at its position
+    (:func:`pallas_kernels.rope.apply_rope` per head; the query path's RoPE,
+    docs/architecture.md, "Queries"): inside the FP8 GEMV kernel where it runs and
+    :data:`ROPE_IN_KERNEL` is set, else by XLA after it; the same values.
+
     Returns bf16, except for an fp32 weight, which returns fp32.
     """
+    if rope is not None:
+        y = None
+        if ROPE_IN_KERNEL and "fp8" in p:
+            y = _stack_gemv(x[..., None, :], p, act_quant=is_quantized(p), out_dtype=BF16,
+                            rope_out=rope)
+        return y if y is not None else _rope_heads(linear(x, p), rope)
     w = p.get("weight")
     if w is not None and w.dtype == F32:
         return jnp.einsum("...i,oi->...o", x.astype(F32), w, precision=HIGHEST,
@@ -185,11 +220,20 @@ def linear_pair(x: Float[Array, "... I"], p0: dict, p1: dict, *, partials: bool 
     return (*ys, None) if partials else ys
 
 
-def grouped_linear(x: Float[Array, "... G I"], p: dict) -> Float[Array, "... G O"]:
+def grouped_linear(x: Float[Array, "... G I"], p: dict, *, rope: tuple | None = None
+                   ) -> Float[Array, "... G O"]:
     """Block-diagonal linear: group ``g`` of ``x`` times rows ``[g*O, (g+1)*O)`` of the
     weight (``[G*O, I]``), fp32 accumulation, bf16 out, no activation quantisation (the
-    grouped output projection, docs/architecture.md, "Output projection")."""
+    grouped output projection, docs/architecture.md, "Output projection"). ``rope``: as
+    :func:`linear`'s, applied to the input's heads first (each group's ``I`` channels; the
+    attention output's inverse rotation): inside the FP8 GEMV kernel where it runs and
+    :data:`ROPE_IN_KERNEL` is set, else by XLA before it."""
     G = x.shape[-2]
+    if rope is not None:
+        y = _stack_gemv(x, p, out_dtype=BF16, rope_in=rope) if ROPE_IN_KERNEL else None
+        if y is not None:
+            return y.reshape(*x.shape[:-1], -1)
+        x = _rope_heads(x, rope)
     y = _stack_gemv(x, p, out_dtype=BF16)
     if y is not None:
         return y.reshape(*x.shape[:-1], -1)

@@ -68,28 +68,66 @@ def _check_out_dtype(out_dtype):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype!r}")
 
 
+def _check_rope(rope, name: str, M: int, channels: int):
+    """``(positions, freqs, head, inverse)`` checked against ``M`` rows of ``channels``."""
+    try:
+        positions, freqs, head, inverse = rope
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: (positions, freqs, head, inverse) expected") from None
+    if jnp.shape(positions) != (M,):
+        raise ValueError(f"{name}: positions of shape ({M},) expected (one per row), got "
+                         f"{jnp.shape(positions)}")
+    pairs = jnp.shape(freqs)[0] if jnp.ndim(freqs) == 1 else -1
+    if (not isinstance(head, int) or head <= 0 or channels % head or pairs <= 0
+            or 2 * pairs > head or head % 2):
+        raise ValueError(f"{name}: head={head} must be an even divisor of the {channels} "
+                         f"channels holding the 2 x {pairs} rotated ones (freqs [R/2])")
+    return positions, freqs, head, bool(inverse)
+
+
 def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
              layer: Int[Array, ""], *, act_quant: bool = False, out_dtype=jnp.float32,
-             impl: str = "auto", **tuning) -> Float[Array, "M N"]:
+             impl: str = "auto", rope_in=None, rope_out=None, **tuning) -> Float[Array, "M N"]:
     """See the module docstring. ``act_quant``: FP8 QDQ of ``x`` per 32 inputs first (a
     quantised linear's activation quantisation; the kernel applies it to its tiles, so no
     separate kernels compute it). ``out_dtype``: the result's dtype, the fp32 sums rounded
     to it once (float32 or bfloat16; the GPU kernel stores it directly where K is not
     split, so no conversion kernel follows it). ``tuning``: ``block_k``, ``k_splits``, ``block_n``,
-    ``num_warps``, ``num_stages`` of the GPU kernel. Raises ``ValueError`` for an unknown ``impl`` or, with
-    ``impl="gpu"``, shapes the kernel does not take, and for an ``out_dtype`` other than
-    float32 / bfloat16."""
+    ``num_warps``, ``num_stages`` of the GPU kernel.
+
+    ``rope_in`` / ``rope_out``: ``(positions int32 [M], freqs fp32 [R/2], head, inverse)``, the
+    rotary embedding (:func:`pallas_kernels.rope.apply_rope`, ``inverse`` its conjugate) of
+    every head of ``head`` channels, row ``m`` at ``positions[m]``: of the input (each group's
+    ``K`` channels, before the act-quant; an attention output before ``wo_a``) or of the output
+    after its rounding to ``out_dtype`` (a query after ``wq_b``). The GPU kernel rotates its
+    tiles in registers (the output in its store where K is not split, else after the
+    reduction), so no launch of its own does; :func:`reference.rope_heads` otherwise. Raises
+    ``ValueError`` for an unknown ``impl`` or, with ``impl="gpu"``, shapes the kernel does not
+    take, for an ``out_dtype`` other than float32 / bfloat16, and for both ropes or a
+    malformed one."""
     impl = impls.check_family(impl)
     if impl == "auto":
         impl = "gpu" if impls.on_gpu() and auto_fits(x.shape, w.shape) else "xla"
     _check_out_dtype(out_dtype)
+    if rope_in is not None and rope_out is not None:
+        raise ValueError("fp8_gemv: rope_in or rope_out, not both")
+    M, _, K = x.shape
+    if rope_in is not None:
+        rope_in = _check_rope(rope_in, "rope_in", M, K)
+    if rope_out is not None:
+        rope_out = _check_rope(rope_out, "rope_out", M, w.shape[1])
     if impl in ("xla", "tpu", "tpu_interpret"):
-        return reference.fp8_gemv(x, w, scale, layer, act_quant).astype(out_dtype)
+        if rope_in is not None:
+            x = reference.rope_heads(x, *rope_in)
+        y = reference.fp8_gemv(x, w, scale, layer, act_quant).astype(out_dtype)
+        return y if rope_out is None else reference.rope_heads(y, *rope_out)
     if not kernel_fits(x.shape, w.shape):
         raise ValueError(f"fp8_gemv: the GPU kernel does not take x {x.shape} with w {w.shape}")
-    return triton.fp8_gemv(x, w, scale, layer, act_quant=act_quant,
-                           out_dtype=jnp.dtype(out_dtype).name,
-                           interpret=impls.interpret(impl), **tuning)
+    rope = rope_in or rope_out
+    return triton.fp8_gemv(
+        x, w, scale, layer, *(rope[:2] if rope else ()), act_quant=act_quant,
+        out_dtype=jnp.dtype(out_dtype).name, interpret=impls.interpret(impl),
+        rope=None if rope is None else ("input" if rope_in else "output", *rope[2:]), **tuning)
 
 
 def fp8_gemv_pair(x: Float[Array, "M 1 K"], w0: jax.Array, scale0: UInt8[Array, "L Go0 Gi"],

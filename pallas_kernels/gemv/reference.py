@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels.fp4.common import exp2_int
 from pallas_kernels.fp4.reference import act_quant_qdq
+from pallas_kernels.rope import apply_rope, rope_angles
 
 F32 = jnp.float32
 
@@ -38,3 +39,17 @@ def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go G
     y = jnp.einsum("mgk,gnk->mgn", x.astype(F32), wg, precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=F32)
     return y.reshape(M, -1)
+
+
+def rope_heads(y: jax.Array, positions: Int[Array, "M"], freqs: Float[Array, "R2"], head: int,
+               inverse: bool = False) -> jax.Array:
+    """:func:`pallas_kernels.rope.apply_rope` of every head of ``head`` channels along the last
+    axis of ``y`` (``[M, ..., C]``, ``C`` a multiple of ``head``), row ``m`` at position
+    ``positions[m]``: the GEMV's ``rope_in`` / ``rope_out`` (a query's or an attention
+    output's heads). Same shape and dtype."""
+    cos, sin = rope_angles(positions, freqs)                        # [M, R/2]
+    yh = y.reshape(*y.shape[:-1], y.shape[-1] // head, head)
+    lead = (1,) * (yh.ndim - 2)
+    cos = cos.reshape(cos.shape[0], *lead, cos.shape[-1])
+    sin = sin.reshape(sin.shape[0], *lead, sin.shape[-1])
+    return apply_rope(yh, cos, sin, inverse=inverse).reshape(y.shape)

@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.fp4.common import exp2_int
 from pallas_kernels.fp4.reference import FP8_MAX, _pow2_ceil_exponent
+from pallas_kernels.gemv import reference
 from pallas_kernels.sparse_attention.triton import repeat_columns
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -115,11 +116,29 @@ def tile_rows(M: int) -> int:
 
 
 def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, tile, act_quant,
-            interpret, first_blocks=(0,)):
+            interpret, first_blocks=(0,), rope=None):
     """One program: ``block_n`` output rows over one K split. With several weights (``refs``:
     a weight and its scales per weight, then the output), ``first_blocks`` holds each one's
-    first row block in the output: the program runs on the weight its row block falls in."""
+    first row block in the output: the program runs on the weight its row block falls in.
+    ``rope`` (:class:`Rope`'s static part ``(at, head, inverse)``): ``refs`` start with the
+    rows' positions and the frequencies; the input's tiles (``at="input"``) or the output
+    block (``"output"``) are rotated (:func:`_rotate`)."""
+    refs = list(refs)
+    turn = None
+    if rope is not None:
+        _, head, inverse = rope
+        pos_ref, freqs_ref = refs.pop(0), refs.pop(0)
+
+        def positions(m=None):
+            """Row ``m``'s position ``[1]``, or the tile's rows' ``[tile]`` (0 past ``rows``)."""
+            if m is not None:
+                return jnp.broadcast_to(pos_ref[m], (1,))
+            return pltr.load(pos_ref, mask=jnp.arange(tile) < rows, other=0)
+
+        turn = functools.partial(_rotate, positions=positions, freqs_ref=freqs_ref,
+                                 head=head, inverse=inverse)
     *weights, o_ref = refs
+    turn_in = turn if rope is not None and rope[0] == "input" else None
     nb, ks = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     g = (nb * block_n) // group_rows
@@ -127,7 +146,7 @@ def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, ti
     if len(weights) == 2:             # one weight and its scales
         accs = _accumulate(layer, x_ref, *weights, nb, ks, g, block_k=block_k, n_k=n_k,
                            subs=subs, rows=rows, tile=tile, act_quant=act_quant,
-                           interpret=interpret)
+                           interpret=interpret, turn=turn_in)
     else:   # two weights (first_blocks[1]: the second's first row block); uniform per program
         w0, s0, w1, s1 = weights
         accs = jax.lax.cond(
@@ -138,17 +157,46 @@ def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, ti
             lambda: _accumulate(layer, x_ref, w1, s1, nb - first_blocks[1], ks, g,
                                 block_k=block_k, n_k=n_k, subs=subs, rows=rows, tile=tile,
                                 act_quant=act_quant, interpret=interpret))
+    if rope is not None and rope[0] == "output":    # each 32-row block's channels rotated
+        accs = tuple(turn(a.astype(o_ref.dtype).astype(F32), nb * block_n + j * BLOCK_N,
+                          dtype=o_ref.dtype) for j, a in enumerate(accs))
     _store(o_ref, accs, o_ref.shape[0], tile)
 
 
+def _rotate(x, ch0, *, positions, freqs_ref, head, inverse, dtype, row=None):
+    """:func:`pallas_kernels.rope.apply_rope` of a tile in registers: ``x`` fp32 ``[T, C]``
+    (its values ``dtype``'s) whose column ``c`` is channel ``(ch0 + c) % head`` of a head of
+    ``head`` channels and whose row ``t`` is at position ``positions()[t]`` (one row, input
+    row ``row``: ``positions(row)``): in each head, the last
+    ``R / 2`` interleaved pairs (``R / 2`` the frequencies' count) rotated by the angles
+    ``f32(pos) * freqs`` (``cos`` and ``sin`` the CUDA math library's, as XLA's), fp32 math
+    in ``apply_rope``'s formulas, rounded to ``dtype``; the other columns as they are.
+    Returns fp32 ``[T, C]``."""
+    T, C = x.shape
+    pos = positions(row)
+    pairs = freqs_ref.shape[0]
+    a, b = jnp.split(x.reshape(T, C // 2, 2), 2, axis=-1)
+    a, b = a.reshape(T, C // 2), b.reshape(T, C // 2)
+    ch = ch0 + 2 * jnp.arange(C // 2, dtype=I32)
+    j = (ch % head) // 2 - (head // 2 - pairs)      # the pair's index among the rotated
+    on = (j >= 0)[None, :]
+    theta = pos.astype(F32)[:, None] * freqs_ref[jnp.maximum(j, 0)][None, :]
+    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    if inverse:
+        sin = -sin
+    a, b = jnp.where(on, a * cos - b * sin, a), jnp.where(on, a * sin + b * cos, b)
+    return jnp.stack([a.astype(dtype), b.astype(dtype)], axis=-1).reshape(T, C).astype(F32)
+
+
 def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, rows, tile,
-                act_quant, interpret):
+                act_quant, interpret, turn=None):
     """The fp32 accumulators ``subs x [tile, BLOCK_N]`` of row block ``nb`` of one weight
-    (``rows`` of the ``tile`` rows hold input)."""
+    (``rows`` of the ``tile`` rows hold input). ``turn``: :func:`_rotate` with the rows'
+    positions, applied to each input tile (before its act-quant)."""
     if rows <= FMA_MAX_ROWS:
         return _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, g, block_k=block_k,
                                n_k=n_k, subs=subs, rows=rows, tile=tile, act_quant=act_quant,
-                               interpret=interpret)
+                               interpret=interpret, turn=turn)
 
     def step(i, accs):
         k0 = (ks * n_k + i) * block_k
@@ -158,6 +206,8 @@ def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, ro
         else:
             x = x_ref[:, g, pl.ds(k0, block_k)]
         x = x.astype(F32)
+        if turn is not None:
+            x = turn(x, k0, dtype=x_ref.dtype)
         if act_quant:
             x = _act_qdq(x, interpret)          # exact in bf16
         out = []
@@ -183,7 +233,7 @@ def _weight_tile(layer, w_ref, s_ref, nb, j, k0, *, subs, block_k):
 
 
 def _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, rows, tile,
-                    act_quant, interpret):
+                    act_quant, interpret, turn=None):
     """:func:`_accumulate` on the CUDA cores (:data:`FMA_MAX_ROWS`): per input row and 32-row
     block an fp32 ``[32, block_k]`` accumulator of products, summed over its columns at the
     end; returned as ``[tile, BLOCK_N]`` tiles holding row ``m``'s sums in row ``m``."""
@@ -193,6 +243,8 @@ def _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs
         xs = []
         for m in range(rows):
             x = x_ref[m, g, pl.ds(k0, block_k)][None, :].astype(F32)
+            if turn is not None:                 # the row's own position
+                x = turn(x, k0, dtype=x_ref.dtype, row=m)
             xs.append(_act_qdq(x, interpret) if act_quant else x)      # exact in bf16
         out = []
         for j in range(subs):
@@ -284,13 +336,16 @@ def default_block_n(N: int, group_rows: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("act_quant", "block_k", "k_splits", "block_n",
                                              "num_warps", "num_stages", "interpret",
-                                             "out_dtype"))
-def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None,
-             block_n=None, num_warps=4, num_stages=3, interpret=False, out_dtype="float32"):
+                                             "out_dtype", "rope"))
+def fp8_gemv(x, w, scale, layer, rope_positions=None, rope_freqs=None, *, act_quant=False,
+             block_k=None, k_splits=None, block_n=None, num_warps=4, num_stages=3,
+             interpret=False, out_dtype="float32", rope=None):
     """See :func:`pallas_kernels.gemv.fp8_gemv`; ``x`` [M <= 64, G, K] (bf16, or with
     ``act_quant`` any float dtype, quantised from its own values). ``block_n``: output rows per
     program (32-row blocks sharing the input tile and its act-quant; default
-    :func:`default_block_n`); it must divide ``N / G`` when ``G > 1``."""
+    :func:`default_block_n`); it must divide ``N / G`` when ``G > 1``. ``rope``: ``(at, head,
+    inverse)`` with ``rope_positions`` int32 ``[M]`` and ``rope_freqs`` fp32 ``[R/2]``
+    (:func:`pallas_kernels.gemv.fp8_gemv`'s ``rope_in`` / ``rope_out``)."""
     M, G, K = x.shape
     N = w.shape[1]
     block_n = default_block_n(N, N // G) if block_n is None else block_n
@@ -298,7 +353,8 @@ def fp8_gemv(x, w, scale, layer, *, act_quant=False, block_k=None, k_splits=None
         raise ValueError(f"block_n={block_n} must divide the rows of a group, N / G = {N // G}")
     [y] = _call(x, ((w, scale),), layer, act_quant=act_quant, block_k=block_k,
                 k_splits=k_splits, block_n=block_n, num_warps=num_warps,
-                num_stages=num_stages, interpret=interpret, out_dtype=out_dtype)
+                num_stages=num_stages, interpret=interpret, out_dtype=out_dtype,
+                rope=rope, rope_args=(rope_positions, rope_freqs))
     return y
 
 
@@ -326,7 +382,7 @@ def fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, *, act_quant=False, block_k=
 
 
 def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps, num_stages,
-          interpret, out_dtype="float32", partials=False):
+          interpret, out_dtype="float32", partials=False, rope=None, rope_args=(None, None)):
     """The kernel over ``weights`` (``((w, scale), ...)``, their rows one after another in
     the output); the outputs per weight, ``[M, N_i]`` of ``out_dtype`` (the fp32 sums
     rounded once: in the kernel's store without a K split, after the partial sums' reduction
@@ -335,7 +391,11 @@ def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps
     after the call. ``partials``: the outputs and, last, the kernel's own ``[S, rows, N]``
     (``S`` K splits, ``rows >= M``; fp32 sums with ``S > 1``, else ``out_dtype``), whose
     output row ``m`` is ``out_dtype(0 + sum_s parts[s, m])``, so a consumer kernel can read
-    it without XLA's reduction and slices before it."""
+    it without XLA's reduction and slices before it. ``rope``: ``(at, head, inverse)``, the
+    rotation of the input's tiles (``at="input"``) or of the output (``"output"``: in the
+    kernel's store without a K split, else after the reduction, by
+    :func:`pallas_kernels.gemv.reference.rope_heads`), ``rope_args`` the positions ``[M]``
+    and the frequencies."""
     M, G, K = x.shape
     if M > MAX_TILE_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_TILE_ROWS} rows, got {M}")
@@ -350,21 +410,29 @@ def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps
     n_k = K // block_k // k_splits
     x = x if act_quant else x.astype(BF16)
     first_blocks = tuple(int(b) for b in np.cumsum([0] + sizes[:-1]) // block_n)
+    after = rope is not None and rope[0] == "output" and k_splits > 1   # rotated after the sum
+    in_kernel = rope is not None and not after
     kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, n_k=n_k,
                                group_rows=N // G, rows=M, tile=tile, act_quant=act_quant,
-                               interpret=interpret, first_blocks=first_blocks)
+                               interpret=interpret, first_blocks=first_blocks,
+                               rope=rope if in_kernel else None)
+    rope_ins = [rope_args[0].astype(I32), rope_args[1].astype(F32)] if in_kernel else []
     part = pl.pallas_call(
         kernel, grid=(N // block_n, k_splits),
         in_specs=[pl.BlockSpec(), pl.BlockSpec((tile, G, K), lambda nb, ks: (0, 0, 0))]
+        + ([pl.BlockSpec((tile,), lambda nb, ks: (0,)), pl.BlockSpec()] if in_kernel else [])
         + [pl.BlockSpec()] * (2 * len(weights)),
         out_specs=pl.BlockSpec((None, out_rows, block_n), lambda nb, ks: (ks, 0, nb)),
         out_shape=jax.ShapeDtypeStruct((k_splits, out_rows, N),
                                        F32 if k_splits > 1 else out_dtype),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_stacked_gemv",
-    )(jnp.reshape(layer, (1,)).astype(I32), x, *[a for pair in weights for a in pair])
+    )(jnp.reshape(layer, (1,)).astype(I32), x, *rope_ins,
+      *[a for pair in weights for a in pair])
     y = part[0] if k_splits == 1 else jnp.sum(part, axis=0).astype(out_dtype)
     y = y[:M]
+    if after:
+        y = reference.rope_heads(y, *rope_args, rope[1], rope[2])
     ys = [y] if len(weights) == 1 else [y[:, a:a + n]
                                         for a, n in zip(np.cumsum([0] + sizes[:-1]), sizes)]
     return ys + [part] if partials else ys
