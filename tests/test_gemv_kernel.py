@@ -374,20 +374,27 @@ def test_decode_through_the_kernel_matches_the_stored_form():
     want, got = np.asarray(want), np.asarray(got)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
-    # the query's RoPE and the output's inverse one inside the kernel (lin.ROPE_IN_KERNEL):
-    # the same bits as XLA's rotations around it
-    ropes = []
+    # the query's RoPE and the output's inverse one inside the kernel (lin.ROPE_IN_KERNEL),
+    # the shared expert's SwiGLU made by its w2 GEMV from the w1 / w3 pair's partial sums
+    # (moe.SWIGLU_IN_KERNEL): the same bits as XLA's rotations and activation around them
+    from dsv41_jax.layers import moe
+    seen = []
 
     def rope_gemv(*a, impl, **kw):
-        ropes.extend(k for k in ("rope_in", "rope_out") if kw.get(k) is not None)
+        seen.extend(k for k in ("rope_in", "rope_out") if kw.get(k) is not None)
         return gemv.fp8_gemv(*a, impl="gpu_interpret", **kw)
 
-    fake.fp8_gemv = rope_gemv
+    def swiglu_gemv(*a, impl, **kw):
+        seen.append("swiglu")
+        return gemv.fp8_gemv_swiglu(*a, impl="gpu_interpret", **kw)
+
+    fake.fp8_gemv, fake.fp8_gemv_swiglu = rope_gemv, swiglu_gemv
     with mock.patch.object(lin, "on_gpu", lambda: True), mock.patch.object(lin, "gemv", fake), \
-            mock.patch.object(lin, "ROPE_IN_KERNEL", True):
-        turned, _ = jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
-    assert "rope_in" in ropes and "rope_out" in ropes
-    np.testing.assert_array_equal(np.asarray(turned), got)
+            mock.patch.object(lin, "ROPE_IN_KERNEL", True), \
+            mock.patch.object(moe, "SWIGLU_IN_KERNEL", True):
+        fused, _ = jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
+    assert {"rope_in", "rope_out", "swiglu"} <= set(seen)
+    np.testing.assert_array_equal(np.asarray(fused), got)
 
 
 def _rope_args(rng, M, pairs, head, inverse):
@@ -478,3 +485,64 @@ def test_rope_kernel_lowers_for_h200(side):
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "stablehlo.cosine" not in text and "stablehlo.concatenate" not in text
     assert [a.shape for a in ex.out_avals] == [(x.shape[0], w.shape[1])]
+
+
+@pytest.mark.parametrize("M, K, I, N, tune", [
+    (1, 256, 128, 96, {}),                                  # CUDA cores, pair K split in 4
+    (3, 512, 64, 128, {"block_k": 64, "k_splits": 1}),      # tensor cores, masked rows
+    (20, 256, 128, 64, {"block_k": 64, "k_splits": 2}),     # a 32-row tile, split K
+])
+@pytest.mark.parametrize("limit", [0.0, 1.5])
+def test_swiglu_from_the_pairs_partial_sums(M, K, I, N, tune, limit):
+    """``fp8_gemv_swiglu``: the GEMV of the SwiGLU of a pair's output, from that pair's
+    partial sums (fp32 with a K split, its bf16 outputs without): in interpret mode bit for
+    bit the GEMV of the SwiGLU the model computes from the pair's two outputs (the shared
+    expert's formula), and the XLA path equal to it up to summation order; the clamp
+    applies."""
+    from pallas_kernels.gemv import reference
+    rng = np.random.default_rng(12)
+    w1, s1 = _stack(rng, 2, I, K)
+    w3, s3 = _stack(rng, 2, I, K)
+    w2, s2 = _stack(rng, 2, N, I)
+    x = jnp.asarray(rng.normal(0, 4, (M, 1, K)), jnp.bfloat16)
+    at = jnp.int32(1)
+    for pair_tune in ({}, {"k_splits": 1}):
+        g, u, parts = gemv.fp8_gemv_pair(x, w1, s1, w3, s3, at, act_quant=True,
+                                         out_dtype=jnp.bfloat16, impl="gpu_interpret",
+                                         partials=True, **pair_tune)
+        gf, uf = g.astype(jnp.float32), u.astype(jnp.float32)
+        if limit > 0:
+            uf, gf = jnp.clip(uf, -limit, limit), jnp.minimum(gf, limit)
+        a = (jax.nn.silu(gf) * uf).astype(jnp.bfloat16)[:, None, :]
+        np.testing.assert_array_equal(np.asarray(reference.swiglu_input(parts, M, limit)),
+                                      np.asarray(a))
+        kw = dict(act_quant=True, out_dtype=jnp.bfloat16)
+        want = gemv.fp8_gemv(a, w2, s2, at, impl="gpu_interpret", **kw, **tune)
+        got = gemv.fp8_gemv_swiglu(parts, w2, s2, at, rows=M, limit=limit,
+                                   impl="gpu_interpret", **kw, **tune)
+        assert got.shape == (M, N) and got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                      np.asarray(want).view(np.uint16))
+        xla = gemv.fp8_gemv_swiglu(parts, w2, s2, at, rows=M, limit=limit, impl="xla", **kw)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla, np.float32),
+                                   rtol=1e-2, atol=1e-2 * float(np.abs(np.asarray(xla, np.float32)).max()))
+    if limit > 0:     # the clamp bites on these inputs
+        assert float(jnp.max(jnp.abs(u.astype(jnp.float32)))) > limit
+    with pytest.raises(ValueError, match="must be \\[S, P >= rows"):
+        gemv.fp8_gemv_swiglu(parts[..., :-1], w2, s2, at, rows=M, limit=limit, impl="xla")
+
+
+def test_swiglu_kernel_lowers_for_h200():
+    """The mid config's shared expert's ``w2`` (512 -> 2048) on the SwiGLU of its ``w1`` /
+    ``w3`` pair's four K splits, built for an H200: one Triton kernel, no reduction of the
+    pair's splits and no activation around it (only the sum of the kernel's own K splits)."""
+    parts = jnp.zeros((4, 1, 1024), jnp.float32)
+    w, s = jnp.zeros((15, 2048, 512), jnp.float8_e4m3fn), jnp.zeros((15, 64, 16), jnp.uint8)
+    ex = h200_export(lambda p, w, s, l: gemv_triton.fp8_gemv_swiglu(
+        p, w, s, l, rows=1, limit=10.0, act_quant=True, out_dtype="bfloat16"),
+        parts, w, s, jnp.int32(3))
+    text = ex.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.logistic" not in text and "stablehlo.exponential" not in text
+    assert "(tensor<4x1x1024xf32>, tensor<f32>)" not in text        # the pair's partial sums
+    assert [a.shape for a in ex.out_avals] == [(1, 2048)]

@@ -89,9 +89,16 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     "row_xla": {("dsv41_jax.layers.attention", "WINDOW_ROW_IN_KERNEL"): False},
     "route_row_xla": {("dsv41_jax.layers.moe", "ROUTE_IN_KERNEL"): False,
                       ("dsv41_jax.layers.attention", "WINDOW_ROW_IN_KERNEL"): False},
-    # the query's RoPE and the attention output's inverse one applied by the FP8 GEMV kernels
-    # of wq_b and wo_a to their tiles (two launches a layer fewer) instead of by XLA
-    "rope_gemv": {("dsv41_jax.layers.linear", "ROPE_IN_KERNEL"): True},
+    # the query's RoPE and the attention output's inverse one applied by XLA around the FP8
+    # GEMVs of wq_b and wo_a (two launches a layer more) instead of by the kernels on their
+    # tiles (the default)
+    "rope_xla": {("dsv41_jax.layers.linear", "ROPE_IN_KERNEL"): False},
+    # the shared expert's SwiGLU made by XLA from the w1 / w3 pair's outputs (its reduction
+    # and the activation: launches of their own) instead of by its w2 GEMV from the pair's
+    # partial sums (the default)
+    "swiglu_xla": {("dsv41_jax.layers.moe", "SWIGLU_IN_KERNEL"): False},
+    "rope_swiglu_xla": {("dsv41_jax.layers.linear", "ROPE_IN_KERNEL"): False,
+                        ("dsv41_jax.layers.moe", "SWIGLU_IN_KERNEL"): False},
 }
 
 KEPT = ("ms_per_step", "ms_per_step_min", "ms_per_step_queued", "device_ms_per_step",

@@ -97,8 +97,11 @@ def _in_stack(p: dict) -> dict:
 #: A linear's rotary embedding (:func:`linear`'s and :func:`grouped_linear`'s ``rope``: the
 #: query's after ``wq_b``, the attention output's inverse before ``wo_a``) applied by the FP8
 #: GEMV kernel to its tiles where that kernel runs (``rope_out`` / ``rope_in`` of
-#: :func:`pallas_kernels.gemv.fp8_gemv`: no launch of its own); False: by XLA around it.
-ROPE_IN_KERNEL = False
+#: :func:`pallas_kernels.gemv.fp8_gemv`: no launch of its own; bitwise XLA's rotation on an
+#: H100). With ``layers.moe.SWIGLU_IN_KERNEL``, a ``mid`` decode step at batch 1 after 4K on an
+#: H100 (``tools/decode_ab.py --variants base,rope_swiglu_gemv``): 1,343 -> 1,223 launches,
+#: 5.94 -> 5.89 ms queued, 6.13 -> 6.03 ms of device time. False: by XLA around it.
+ROPE_IN_KERNEL = True
 
 
 def _rope_heads(y: jax.Array, rope: tuple) -> jax.Array:
@@ -218,6 +221,27 @@ def linear_pair(x: Float[Array, "... I"], p0: dict, p1: dict, *, partials: bool 
             return (*ys, (parts[0], y0.shape[-1])) if partials else ys
     ys = linear(x, p0), linear(x, p1)
     return (*ys, None) if partials else ys
+
+
+def swiglu_linear(pair_parts: tuple | None, p: dict, limit: float, rows: int
+                  ) -> Float[Array, "M O"] | None:
+    """``linear(bf16(silu(g) * u), p)`` (``u`` clamped to ``[-limit, limit]``, ``g`` from
+    above, where ``limit > 0``) of the two outputs of a :func:`linear_pair`, made from that
+    pair's partial sums (its third value with ``partials=True``: ``(parts [S, P, 2I], I)``) by
+    the FP8 GEMV kernel (:func:`pallas_kernels.gemv.fp8_gemv_swiglu`): neither the pair's
+    reduction nor the SwiGLU launches a kernel of its own. ``rows``: the pair's input rows.
+    bf16 ``[rows, O]``, or None where the kernel does not run (no partial sums, not a stacked
+    FP8 linear, shapes it does not take): then compute it from the pair's outputs."""
+    if pair_parts is None or "at" not in p or "fp8" not in p or not on_gpu():
+        return None
+    parts, width = pair_parts
+    w, s = p["fp8"], p["scale"]
+    w, s = w.reshape(-1, *w.shape[-2:]), s.reshape(-1, *s.shape[-2:])
+    if (parts.shape[-1] != 2 * width or w.shape[-1] != width
+            or not gemv.auto_fits((rows, 1, width), w.shape)):
+        return None
+    return gemv.fp8_gemv_swiglu(parts, w, s, p["at"], rows=rows, limit=limit,
+                                act_quant=is_quantized(p), out_dtype=BF16, impl="gpu")
 
 
 def grouped_linear(x: Float[Array, "... G I"], p: dict, *, rope: tuple | None = None

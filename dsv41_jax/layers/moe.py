@@ -16,7 +16,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax import quant
-from dsv41_jax.layers.linear import dequant_weight, is_quantized, linear, linear_pair
+from dsv41_jax.layers.linear import (dequant_weight, is_quantized, linear, linear_pair,
+                                     swiglu_linear)
 from dsv41_jax.dtypes import BF16, F32, HIGHEST
 from pallas_kernels import gathered_experts, grouped_matmul
 
@@ -69,6 +70,14 @@ def gate(x: Float[Array, "N D"], p: dict, cfg: ModelConfig, image_mask: Bool[Arr
     return idx, w * cfg.route_scale
 
 
+#: A stacked FP8 expert without routing weight (the shared expert) in a decode step on a GPU:
+#: its ``w2`` GEMV makes its input, the SwiGLU, from the ``w1`` / ``w3`` pair GEMV's partial
+#: sums (:func:`dsv41_jax.layers.linear.swiglu_linear`; no launch for the pair's reduction or
+#: the activation; bitwise XLA's on an H100; timed with ``layers.linear.ROPE_IN_KERNEL``, see
+#: there). False: XLA computes the SwiGLU from the pair's outputs.
+SWIGLU_IN_KERNEL = True
+
+
 def expert(x: Float[Array, "N D"], p: dict, limit: float,
            route_w: Float[Array, "N"] | None = None) -> Float[Array, "N D"]:
     """SwiGLU expert with the reference clamps; the routing weight multiplies before ``w2``.
@@ -76,7 +85,11 @@ def expert(x: Float[Array, "N D"], p: dict, limit: float,
     ``up`` is clamped to [-limit, limit], the gate branch from above only
     (docs/architecture.md, "Mixture of experts"; B15).
     """
-    g, up = linear_pair(x, p["w1"], p["w3"])        # one GEMV launch for a stacked FP8 expert
+    g, up, parts = linear_pair(x, p["w1"], p["w3"], partials=True)   # one GEMV launch
+    if SWIGLU_IN_KERNEL and route_w is None:    # w2's GEMV makes its input from the pair's sums
+        y = swiglu_linear(parts, p["w2"], limit, x.shape[0])
+        if y is not None:
+            return y
     g, up = g.astype(F32), up.astype(F32)
     if limit > 0:
         up = jnp.clip(up, -limit, limit)

@@ -27,8 +27,8 @@ from jaxtyping import Array, Float, Int, UInt8
 from pallas_kernels import impls
 from pallas_kernels.gemv import reference, triton
 
-__all__ = ["fp8_gemv", "fp8_gemv_pair", "kernel_fits", "pair_fits", "auto_fits", "MAX_ROWS",
-           "AUTO_MAX_ROWS"]
+__all__ = ["fp8_gemv", "fp8_gemv_pair", "fp8_gemv_swiglu", "kernel_fits", "pair_fits",
+           "auto_fits", "MAX_ROWS", "AUTO_MAX_ROWS"]
 
 #: The most input rows the GPU kernel takes (tiles of 16, 32 or 64 rows).
 MAX_ROWS = triton.MAX_TILE_ROWS
@@ -128,6 +128,38 @@ def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go G
         x, w, scale, layer, *(rope[:2] if rope else ()), act_quant=act_quant,
         out_dtype=jnp.dtype(out_dtype).name, interpret=impls.interpret(impl),
         rope=None if rope is None else ("input" if rope_in else "output", *rope[2:]), **tuning)
+
+
+def fp8_gemv_swiglu(parts: Float[Array, "S P C"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
+                    layer: Int[Array, ""], *, rows: int, limit: float,
+                    act_quant: bool = False, out_dtype=jnp.float32, impl: str = "auto",
+                    **tuning) -> Float[Array, "M N"]:
+    """:func:`fp8_gemv` of the SwiGLU of a GEMV pair's output, from that pair's partial sums
+    (:func:`fp8_gemv_pair` with ``partials=True``: ``parts [S, P >= rows, 2I]``, the gate
+    projection then the up projection): ``x = bf16(silu(g) * u)`` of the bf16 outputs ``g``,
+    ``u`` with the clamps (``limit > 0``: ``u`` to ``[-limit, limit]``, ``g`` from above;
+    :func:`reference.swiglu_input`), ``w`` ``[L, N, I]``. The GPU kernel makes each input
+    tile from the partial sums in registers, so neither the pair's reduction nor the SwiGLU
+    launches a kernel of its own (an FP8 shared expert's ``w2`` in a decode step). Returns
+    ``[rows, N]`` of ``out_dtype``. Raises ``ValueError`` as :func:`fp8_gemv`, and for
+    ``parts`` that do not hold ``rows`` rows of ``2 I`` columns."""
+    impl = impls.check_family(impl)
+    I = w.shape[-1]
+    if parts.ndim != 3 or parts.shape[-1] != 2 * I or parts.shape[1] < rows or rows < 1:
+        raise ValueError(f"fp8_gemv_swiglu: parts {parts.shape} must be [S, P >= rows={rows}, "
+                         f"2 x {I}] (the gate and up projections' partial sums)")
+    if impl == "auto":
+        impl = "gpu" if impls.on_gpu() and auto_fits((rows, 1, I), w.shape) else "xla"
+    _check_out_dtype(out_dtype)
+    if impl in ("xla", "tpu", "tpu_interpret"):
+        x = reference.swiglu_input(parts, rows, limit)
+        return reference.fp8_gemv(x, w, scale, layer, act_quant).astype(out_dtype)
+    if not kernel_fits((rows, 1, I), w.shape):
+        raise ValueError(f"fp8_gemv_swiglu: the GPU kernel does not take {rows} rows with w "
+                         f"{w.shape}")
+    return triton.fp8_gemv_swiglu(parts, w, scale, layer, rows=rows, limit=float(limit),
+                                  act_quant=act_quant, out_dtype=jnp.dtype(out_dtype).name,
+                                  interpret=impls.interpret(impl), **tuning)
 
 
 def fp8_gemv_pair(x: Float[Array, "M 1 K"], w0: jax.Array, scale0: UInt8[Array, "L Go0 Gi"],

@@ -53,3 +53,20 @@ def rope_heads(y: jax.Array, positions: Int[Array, "M"], freqs: Float[Array, "R2
     cos = cos.reshape(cos.shape[0], *lead, cos.shape[-1])
     sin = sin.reshape(sin.shape[0], *lead, sin.shape[-1])
     return apply_rope(yh, cos, sin, inverse=inverse).reshape(y.shape)
+
+
+def swiglu_input(parts: Float[Array, "S P C"], rows: int, limit: float) -> Float[Array, "M 1 I"]:
+    """The SwiGLU of a GEMV pair's output from its partial sums ``parts`` ``[S, P >= rows,
+    2I]`` (the gate projection in columns ``0..I``, the up projection in ``I..2I``; fp32 sums,
+    or the bf16 outputs themselves where ``S = 1``): each output ``bf16(sum_s parts[s])``, the
+    clamps (``limit > 0``: up to ``[-limit, limit]``, the gate from above), ``silu(g) * u``
+    in fp32 rounded to bf16, as :func:`dsv41_jax.layers.moe.expert` computes it. bf16
+    ``[rows, 1, I]``: the input of :func:`pallas_kernels.gemv.fp8_gemv_swiglu`'s GEMV."""
+    I = parts.shape[-1] // 2
+    total = parts[0] if parts.shape[0] == 1 else jnp.sum(parts.astype(F32), axis=0)
+    total = total[:rows].astype(jnp.bfloat16).astype(F32)
+    g, u = total[:, :I], total[:, I:]
+    if limit > 0:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
+    return (jax.nn.silu(g) * u).astype(jnp.bfloat16)[:, None, :]

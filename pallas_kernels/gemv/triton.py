@@ -116,7 +116,7 @@ def tile_rows(M: int) -> int:
 
 
 def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, tile, act_quant,
-            interpret, first_blocks=(0,), rope=None):
+            interpret, first_blocks=(0,), rope=None, prologue=None):
     """One program: ``block_n`` output rows over one K split. With several weights (``refs``:
     a weight and its scales per weight, then the output), ``first_blocks`` holds each one's
     first row block in the output: the program runs on the weight its row block falls in.
@@ -146,7 +146,7 @@ def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, ti
     if len(weights) == 2:             # one weight and its scales
         accs = _accumulate(layer, x_ref, *weights, nb, ks, g, block_k=block_k, n_k=n_k,
                            subs=subs, rows=rows, tile=tile, act_quant=act_quant,
-                           interpret=interpret, turn=turn_in)
+                           interpret=interpret, turn=turn_in, prologue=prologue)
     else:   # two weights (first_blocks[1]: the second's first row block); uniform per program
         w0, s0, w1, s1 = weights
         accs = jax.lax.cond(
@@ -189,23 +189,21 @@ def _rotate(x, ch0, *, positions, freqs_ref, head, inverse, dtype, row=None):
 
 
 def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, rows, tile,
-                act_quant, interpret, turn=None):
+                act_quant, interpret, turn=None, prologue=None):
     """The fp32 accumulators ``subs x [tile, BLOCK_N]`` of row block ``nb`` of one weight
     (``rows`` of the ``tile`` rows hold input). ``turn``: :func:`_rotate` with the rows'
-    positions, applied to each input tile (before its act-quant)."""
+    positions, applied to each input tile (before its act-quant). ``prologue``: the input
+    made from another GEMV's partial sums (:func:`_swiglu_input`)."""
+    load = functools.partial(_load_input, x_ref, g=g, block_k=block_k, rows=rows, tile=tile,
+                             prologue=prologue)
     if rows <= FMA_MAX_ROWS:
-        return _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, g, block_k=block_k,
+        return _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, load, block_k=block_k,
                                n_k=n_k, subs=subs, rows=rows, tile=tile, act_quant=act_quant,
                                interpret=interpret, turn=turn)
 
     def step(i, accs):
         k0 = (ks * n_k + i) * block_k
-        if rows < tile:     # the block's rows past the input's are masked (read as zero)
-            mask = jnp.broadcast_to((jnp.arange(tile) < rows)[:, None], (tile, block_k))
-            x = pltr.load(x_ref.at[:, g, pl.ds(k0, block_k)], mask=mask, other=0.0)
-        else:
-            x = x_ref[:, g, pl.ds(k0, block_k)]
-        x = x.astype(F32)
+        x = load(k0)
         if turn is not None:
             x = turn(x, k0, dtype=x_ref.dtype)
         if act_quant:
@@ -232,8 +230,57 @@ def _weight_tile(layer, w_ref, s_ref, nb, j, k0, *, subs, block_k):
     return w, repeat_columns(jax.lax.bitcast_convert_type(s << 23, F32), 32)
 
 
-def _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, rows, tile,
-                    act_quant, interpret, turn=None):
+def _load_input(x_ref, k0, m=None, *, g, block_k, rows, tile, prologue):
+    """The input's columns ``k0..`` (group ``g``), fp32: row ``m`` ``[1, block_k]``, or the
+    tile's rows ``[tile, block_k]`` (those past ``rows`` read as zero); with ``prologue``, made
+    from the partial sums ``x_ref`` holds (:func:`_swiglu_input`)."""
+    if prologue is not None:
+        return _swiglu_input(x_ref, k0, m, block_k=block_k, rows=rows, tile=tile,
+                             prologue=prologue)
+    if m is not None:
+        return x_ref[m, g, pl.ds(k0, block_k)][None, :].astype(F32)
+    if rows < tile:     # the block's rows past the input's are masked (read as zero)
+        mask = jnp.broadcast_to((jnp.arange(tile) < rows)[:, None], (tile, block_k))
+        return pltr.load(x_ref.at[:, g, pl.ds(k0, block_k)], mask=mask,
+                         other=0.0).astype(F32)
+    return x_ref[:, g, pl.ds(k0, block_k)].astype(F32)
+
+
+def _swiglu_input(parts_ref, k0, m, *, block_k, rows, tile, prologue):
+    """A SwiGLU's output as the input's columns ``k0..``, from the partial sums ``[S, P,
+    2I]`` of the GEMV pair that made its gate (columns ``0..I``) and up (``I..2I``)
+    projections (``prologue`` = ``("swiglu", I, limit)``): each sum ``0 + parts[0] + ... +
+    parts[S-1]`` (XLA's reduction's order) rounded to bf16 (the linears' outputs), the clamps
+    (``limit > 0``: up to ``[-limit, limit]``, the gate from above), ``silu(g) * u`` in fp32
+    rounded to bf16, as :func:`dsv41_jax.layers.moe.expert` computes it. fp32 ``[1 or tile,
+    block_k]``."""
+    _, I, limit = prologue
+    S = parts_ref.shape[0]
+
+    def total(col):
+        acc = 0.0 if S > 1 else None
+        for s in range(S):
+            if m is not None:
+                v = parts_ref[s, m, pl.ds(col, block_k)][None, :]
+            elif rows < tile:
+                mask = jnp.broadcast_to((jnp.arange(tile) < rows)[:, None], (tile, block_k))
+                v = pltr.load(parts_ref.at[jnp.int32(s), :, pl.ds(col, block_k)], mask=mask,
+                              other=0.0)
+            else:
+                v = parts_ref[s, :, pl.ds(col, block_k)]
+            v = v.astype(F32)
+            acc = v if acc is None else acc + v
+        return acc.astype(BF16).astype(F32)          # a no-op where S = 1 (stored bf16)
+
+    gate, up = total(k0), total(I + k0)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    return (gate * jax.nn.sigmoid(gate) * up).astype(BF16).astype(F32)
+
+
+def _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, load, *, block_k, n_k, subs, rows,
+                    tile, act_quant, interpret, turn=None):
     """:func:`_accumulate` on the CUDA cores (:data:`FMA_MAX_ROWS`): per input row and 32-row
     block an fp32 ``[32, block_k]`` accumulator of products, summed over its columns at the
     end; returned as ``[tile, BLOCK_N]`` tiles holding row ``m``'s sums in row ``m``."""
@@ -242,7 +289,7 @@ def _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs
         k0 = (ks * n_k + i) * block_k
         xs = []
         for m in range(rows):
-            x = x_ref[m, g, pl.ds(k0, block_k)][None, :].astype(F32)
+            x = load(k0, m)
             if turn is not None:                 # the row's own position
                 x = turn(x, k0, dtype=x_ref.dtype, row=m)
             xs.append(_act_qdq(x, interpret) if act_quant else x)      # exact in bf16
@@ -381,8 +428,30 @@ def fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, *, act_quant=False, block_k=
                  partials=partials)
 
 
+@functools.partial(jax.jit, static_argnames=("rows", "limit", "act_quant", "block_k",
+                                             "k_splits", "block_n", "num_warps", "num_stages",
+                                             "interpret", "out_dtype"))
+def fp8_gemv_swiglu(parts, w, scale, layer, *, rows, limit, act_quant=False, block_k=None,
+                    k_splits=None, block_n=None, num_warps=4, num_stages=3, interpret=False,
+                    out_dtype="float32"):
+    """See :func:`pallas_kernels.gemv.fp8_gemv_swiglu`: the GEMV of ``w`` (``[L, N, I]``) on
+    the SwiGLU of a GEMV pair's partial sums ``parts`` ``[S, P >= rows, 2I]``, made in the
+    kernel (:func:`_swiglu_input`)."""
+    N, I = w.shape[1], w.shape[2]
+    if parts.shape[-1] != 2 * I or parts.shape[1] < rows:
+        raise ValueError(f"parts {parts.shape}: [S, P >= {rows}, 2 x {I}] expected (the gate "
+                         f"and up projections' partial sums side by side)")
+    block_n = default_block_n(N, N) if block_n is None else block_n
+    [y] = _call(parts, ((w, scale),), layer, act_quant=act_quant, block_k=block_k,
+                k_splits=k_splits, block_n=block_n, num_warps=num_warps,
+                num_stages=num_stages, interpret=interpret, out_dtype=out_dtype,
+                prologue=("swiglu", I, float(limit)), rows=rows)
+    return y
+
+
 def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps, num_stages,
-          interpret, out_dtype="float32", partials=False, rope=None, rope_args=(None, None)):
+          interpret, out_dtype="float32", partials=False, rope=None, rope_args=(None, None),
+          prologue=None, rows=None):
     """The kernel over ``weights`` (``((w, scale), ...)``, their rows one after another in
     the output); the outputs per weight, ``[M, N_i]`` of ``out_dtype`` (the fp32 sums
     rounded once: in the kernel's store without a K split, after the partial sums' reduction
@@ -395,8 +464,9 @@ def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps
     rotation of the input's tiles (``at="input"``) or of the output (``"output"``: in the
     kernel's store without a K split, else after the reduction, by
     :func:`pallas_kernels.gemv.reference.rope_heads`), ``rope_args`` the positions ``[M]``
-    and the frequencies."""
-    M, G, K = x.shape
+    and the frequencies. ``prologue``: ``x`` is a GEMV pair's partial sums ``[S, P, 2K]``
+    and the input its SwiGLU of ``rows`` rows (:func:`_swiglu_input`)."""
+    M, G, K = x.shape if prologue is None else (rows, 1, prologue[1])
     if M > MAX_TILE_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_TILE_ROWS} rows, got {M}")
     tile = tile_rows(M)
@@ -408,18 +478,20 @@ def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps
                                max_block_k=max(FMA_ACC_ELEMENTS // (M * block_n), MIN_BLOCK_K)
                                if fma else 512 * ROWS // tile)
     n_k = K // block_k // k_splits
-    x = x if act_quant else x.astype(BF16)
+    x = x if act_quant or prologue is not None else x.astype(BF16)
     first_blocks = tuple(int(b) for b in np.cumsum([0] + sizes[:-1]) // block_n)
     after = rope is not None and rope[0] == "output" and k_splits > 1   # rotated after the sum
     in_kernel = rope is not None and not after
     kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, n_k=n_k,
                                group_rows=N // G, rows=M, tile=tile, act_quant=act_quant,
                                interpret=interpret, first_blocks=first_blocks,
-                               rope=rope if in_kernel else None)
+                               rope=rope if in_kernel else None, prologue=prologue)
+    x_spec = (pl.BlockSpec((tile, G, K), lambda nb, ks: (0, 0, 0)) if prologue is None
+              else pl.BlockSpec((x.shape[0], tile, x.shape[2]), lambda nb, ks: (0, 0, 0)))
     rope_ins = [rope_args[0].astype(I32), rope_args[1].astype(F32)] if in_kernel else []
     part = pl.pallas_call(
         kernel, grid=(N // block_n, k_splits),
-        in_specs=[pl.BlockSpec(), pl.BlockSpec((tile, G, K), lambda nb, ks: (0, 0, 0))]
+        in_specs=[pl.BlockSpec(), x_spec]
         + ([pl.BlockSpec((tile,), lambda nb, ks: (0,)), pl.BlockSpec()] if in_kernel else [])
         + [pl.BlockSpec()] * (2 * len(weights)),
         out_specs=pl.BlockSpec((None, out_rows, block_n), lambda nb, ks: (ks, 0, nb)),
