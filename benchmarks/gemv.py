@@ -44,17 +44,31 @@ def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
     with), ``calls`` per step, the most bytes first. A pair of linears run in one launch
     (:func:`pallas_kernels.gemv.fp8_gemv_pair`) is one entry whose ``w`` holds both weights'
     rows and ``pair`` their row counts ``(N0, N1)`` (``None`` for a single linear); the sweep
-    times it as one stack of ``N0 + N1`` rows, the same grid. ``gpu``: trace as on an NVIDIA
-    GPU even where the backend is not one (the CPU smoke test)."""
+    times it as one stack of ``N0 + N1`` rows, the same grid; a GEMV on a pair's SwiGLU
+    (:func:`pallas_kernels.gemv.fp8_gemv_swiglu`, a shared expert's ``w2``) counts as the GEMV
+    of its input's shape. ``gpu``: trace as on an NVIDIA GPU even where the backend is not one
+    (the CPU smoke test)."""
     from dsv41_jax.layers import linear as lin
     seen: dict = {}
     real, real_pair = gemv.fp8_gemv, gemv.fp8_gemv_pair
+
+    real_swiglu = gemv.fp8_gemv_swiglu
 
     def record(x, w, scale, layer, *, act_quant=False, impl="auto", **kw):
         key = (tuple(x.shape), tuple(w.shape), bool(act_quant), None)
         seen[key] = seen.get(key, 0) + 1
         return real(x, w, scale, layer, act_quant=act_quant, impl="xla",
-                    out_dtype=kw.get("out_dtype", jnp.float32))
+                    out_dtype=kw.get("out_dtype", jnp.float32),
+                    rope_in=kw.get("rope_in"), rope_out=kw.get("rope_out"))
+
+    def record_swiglu(parts, w, scale, layer, *, rows, limit, act_quant=False, impl="auto",
+                      **kw):
+        # timed as the GEMV of its input's shape (the prologue's reads are the pair's sums)
+        key = ((rows, 1, w.shape[-1]), tuple(w.shape), bool(act_quant), None)
+        seen[key] = seen.get(key, 0) + 1
+        return real_swiglu(parts, w, scale, layer, rows=rows, limit=limit,
+                           act_quant=act_quant, impl="xla",
+                           out_dtype=kw.get("out_dtype", jnp.float32))
 
     def record_pair(x, w0, s0, w1, s1, layer, *, act_quant=False, impl="auto", **kw):
         L, N0, K = w0.shape
@@ -67,7 +81,8 @@ def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
     state = st.init_state(cfg, batch, 64)
     step = model.decode_fn(cfg, attn_impl="xla")
     patches = [mock.patch.object(lin.gemv, "fp8_gemv", record),
-               mock.patch.object(lin.gemv, "fp8_gemv_pair", record_pair)]
+               mock.patch.object(lin.gemv, "fp8_gemv_pair", record_pair),
+               mock.patch.object(lin.gemv, "fp8_gemv_swiglu", record_swiglu)]
     if gpu:
         patches.append(mock.patch.object(lin, "on_gpu", lambda: True))
     for p in patches:

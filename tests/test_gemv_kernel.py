@@ -366,7 +366,11 @@ def test_decode_through_the_kernel_matches_the_stored_form():
     fake = types.SimpleNamespace(fp8_gemv=interpret_gemv, auto_fits=gemv.auto_fits,
                                  fp8_gemv_pair=interpret_pair, pair_fits=gemv.pair_fits,
                                  AUTO_MAX_ROWS=gemv.AUTO_MAX_ROWS)
-    with mock.patch.object(lin, "on_gpu", lambda: True), mock.patch.object(lin, "gemv", fake):
+    from dsv41_jax.layers import moe
+    # first with XLA's rotations and SwiGLU around the kernel (the switches off)
+    with mock.patch.object(lin, "on_gpu", lambda: True), mock.patch.object(lin, "gemv", fake), \
+            mock.patch.object(lin, "ROPE_IN_KERNEL", False), \
+            mock.patch.object(moe, "SWIGLU_IN_KERNEL", False):
         got, _ = jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
     assert calls, "the kernel was not used"
     assert any(c[0] == 4 for c in calls)     # the [2 units x 2 layers] stack
@@ -376,8 +380,8 @@ def test_decode_through_the_kernel_matches_the_stored_form():
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
     # the query's RoPE and the output's inverse one inside the kernel (lin.ROPE_IN_KERNEL),
     # the shared expert's SwiGLU made by its w2 GEMV from the w1 / w3 pair's partial sums
-    # (moe.SWIGLU_IN_KERNEL): the same bits as XLA's rotations and activation around them
-    from dsv41_jax.layers import moe
+    # (moe.SWIGLU_IN_KERNEL; both the defaults): the same bits as XLA's rotations and
+    # activation around them
     seen = []
 
     def rope_gemv(*a, impl, **kw):

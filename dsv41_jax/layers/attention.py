@@ -21,7 +21,8 @@ from jaxtyping import Array, Bool, Float, Int
 from dsv41_jax import quant, state as st
 from dsv41_jax.config import LayerRole, ModelConfig
 from dsv41_jax.layers import compressor, indexer
-from dsv41_jax.layers.linear import grouped_linear, linear, linear_pair, rms_norm
+from dsv41_jax.layers.linear import (grouped_linear, linear, linear_pair, rms_norm,
+                                     rope_in_kernel)
 from dsv41_jax.layers.rope import apply_rope, rope_angles
 from dsv41_jax.dtypes import BF16, F32
 from pallas_kernels import fp4
@@ -245,7 +246,8 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     cos, sin = rope_angles(ch.positions, ch.freqs[role.rope])
     # one GEMV launch in a decode step; its partial sums for the ring kernel (below)
     qa, kva, qkv_parts = linear_pair(x, p["wq_a"], p["wkv"], partials=True)
-    angles = (ch.positions, jnp.asarray(ch.freqs[role.rope], F32))
+    # the query's and the output's rotations inside their FP8 GEMV kernels where those run
+    angles = (ch.positions, jnp.asarray(ch.freqs[role.rope], F32)) if rope_in_kernel() else None
     qr, q = queries(p, x, cfg, cos, sin, qa, angles=angles)
     kv_rows = window_rows(p, x, cfg, cos, sin, kva)
     kv_codes, kv_scale = quant.fp8_quantize(kv_rows, 32)

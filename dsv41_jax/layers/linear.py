@@ -104,6 +104,14 @@ def _in_stack(p: dict) -> dict:
 ROPE_IN_KERNEL = True
 
 
+def rope_in_kernel() -> bool:
+    """Whether a caller should hand its rotary embedding to :func:`linear` /
+    :func:`grouped_linear` (``rope=``) so that the FP8 GEMV kernel applies it: on a GPU with
+    :data:`ROPE_IN_KERNEL`. Elsewhere the caller rotates with ``apply_rope`` itself, as the
+    XLA form does (the same values either way)."""
+    return ROPE_IN_KERNEL and on_gpu()
+
+
 def _rope_heads(y: jax.Array, rope: tuple) -> jax.Array:
     """``rope`` = ``(positions int32 [...], freqs fp32 [R/2], head, inverse)`` applied by
     XLA to every head of ``head`` channels along ``y``'s last axis, ``y``'s leading axes
