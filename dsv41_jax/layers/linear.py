@@ -99,7 +99,7 @@ def _in_stack(p: dict) -> dict:
 #: GEMV kernel to its tiles where that kernel runs (``rope_out`` / ``rope_in`` of
 #: :func:`pallas_kernels.gemv.fp8_gemv`: no launch of its own; bitwise XLA's rotation on an
 #: H100). With ``layers.moe.SWIGLU_IN_KERNEL``, a ``mid`` decode step at batch 1 after 4K on an
-#: H100 (``tools/decode_ab.py --variants base,rope_swiglu_gemv``): 1,343 -> 1,223 launches,
+#: H100 (``tools/decode_ab.py --variants rope_swiglu_xla,base``): 1,343 -> 1,223 launches,
 #: 5.94 -> 5.89 ms queued, 6.13 -> 6.03 ms of device time. False: by XLA around it.
 ROPE_IN_KERNEL = True
 
