@@ -54,6 +54,50 @@ def test_interpret_matches_reference(M, G, K, N, L, tune):
                                                     impl="gpu_interpret", **tune))) or L == 1
 
 
+def test_swapped_operands(monkeypatch):
+    """:data:`triton.SWAP_MIN_ROWS`: 17-64 input rows multiplied with the weight tile of 64 or
+    128 rows as the first operand equal the reference to summation order: a grouped input
+    with act-quant and split K, a 32-row tile holding 20 rows, a pair of weights, the RoPE
+    of the input and of the output, the SwiGLU of a pair's partial sums."""
+    monkeypatch.setattr(gemv_triton, "SWAP_MIN_ROWS", 17)
+    assert gemv_triton.default_block_n(128, 64, rows=17) == 64
+    assert gemv_triton.default_block_n(128, 64, rows=16) == 32
+    rng = np.random.default_rng(11)
+    w, s = _stack(rng, 2, 256, 512)
+    at = jnp.int32(1)
+
+    def close(got, want):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+    for M, G, kw in ((40, 2, {"act_quant": True, "block_k": 128, "k_splits": 2}),
+                     (20, 1, {"block_n": 128}), (64, 1, {})):
+        x = jnp.asarray(rng.normal(0, 1, (M, G, 512)), jnp.bfloat16)
+        close(gemv.fp8_gemv(x, w, s, at, impl="gpu_interpret", **kw),
+              gemv.fp8_gemv(x, w, s, at, impl="xla", act_quant=kw.get("act_quant", False)))
+    x = jnp.asarray(rng.normal(0, 1, (24, 1, 512)), jnp.bfloat16)
+    w1, s1 = _stack(rng, 2, 128, 512)
+    for g, want in zip(gemv.fp8_gemv_pair(x, w, s, w1, s1, at, act_quant=True,
+                                          impl="gpu_interpret"),
+                       gemv.fp8_gemv_pair(x, w, s, w1, s1, at, act_quant=True, impl="xla")):
+        close(g, want)
+    for M, key in ((20, "rope_out"), (40, "rope_in")):
+        x = jnp.asarray(rng.normal(0, 1, (M, 1, 512)), jnp.bfloat16)
+        rope = _rope_args(rng, M, 16, 128, key == "rope_in")
+        close(gemv.fp8_gemv(x, w, s, at, impl="gpu_interpret", out_dtype=jnp.bfloat16,
+                            **{key: rope}),
+              gemv.fp8_gemv(x, w, s, at, impl="xla", out_dtype=jnp.bfloat16, **{key: rope}))
+    wd, sd = _stack(rng, 2, 128, 128)
+    wu, su = _stack(rng, 2, 256, 512)        # gate and up, 128 rows each: [S, P, 256] sums
+    x = jnp.asarray(rng.normal(0, 1, (20, 1, 512)), jnp.bfloat16)
+    parts = gemv.fp8_gemv_pair(x, wu[:, :128], su[:, :4], wu[:, 128:], su[:, 4:], at,
+                               impl="gpu_interpret", partials=True, k_splits=2)[-1]
+    got = gemv.fp8_gemv_swiglu(parts, wd, sd, at, rows=20, limit=1.5, impl="gpu_interpret")
+    monkeypatch.setattr(gemv_triton, "SWAP_MIN_ROWS", 65)
+    close(got, gemv.fp8_gemv_swiglu(parts, wd, sd, at, rows=20, limit=1.5,
+                                    impl="gpu_interpret"))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_act_quant_in_the_kernel(dtype):
     """``act_quant=True``: the interpret-mode kernel equals the FP8 QDQ of the input followed

@@ -164,6 +164,32 @@ def test_padding_plan():
 
 
 
+@pytest.mark.parametrize("P, E, block_m", [(12, 4, None), (384, 16, None), (40, 6, 8)])
+def test_row_padding_is_the_sorted_rows_layout(P, E, block_m):
+    """:func:`row_padding` of rows in any order (an expert with no row, one with many) is
+    :func:`padding`'s layout of the same rows sorted by expert (stable): each row lands on the
+    padded row its sorted place does, the tiles' experts are the same, and a row gathered
+    into the layout is the same row."""
+    rng = np.random.default_rng(P)
+    e = rng.integers(0, E - 1, P)                  # expert E - 1 gets none
+    e[: P // 3] = 2                                # expert 2 many
+    rng.shuffle(e)
+    e = jnp.asarray(e, jnp.int32)
+    perm = np.argsort(np.asarray(e), kind="stable")
+    sizes = jnp.bincount(e, length=E).astype(jnp.int32)
+    want = gm.padding(sizes, P, block_m)
+    got = gm.row_padding(e, E, block_m)
+    assert got.block_m == want.block_m and got.src.shape == want.src.shape
+    np.testing.assert_array_equal(np.asarray(got.dest)[perm], want.dest)
+    np.testing.assert_array_equal(got.tile_expert, want.tile_expert)
+    x = jnp.asarray(rng.normal(0, 1, (P, 3)), jnp.float32)
+    np.testing.assert_array_equal(got.pad(x), want.pad(x[perm]))
+    text = jax.jit(gm.row_padding, static_argnums=(1, 2)).lower(e, E, block_m).as_text()
+    assert "while" not in text and "stablehlo.sort" not in text
+    with pytest.raises(ValueError, match="row_padding: 2049 rows, at most 2048"):
+        gm.row_padding(jnp.zeros((2049,), jnp.int32), E)
+
+
 def test_padding_plan_has_no_loop():
     """The padding plan's searches are one comparison each, no loop: a binary search's
     ``while`` launched some 27 kernels per call on a GPU (2,148 of a batch-64 ``mid`` decode
@@ -240,11 +266,16 @@ def test_moe_on_a_stack_in_kernel_form(tokens):
         else:
             np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
     real = gm.padded_matmul
-    with mock.patch.object(gm, "uses_kernel", lambda w, impl="auto": True), \
-            mock.patch.object(gm, "padded_matmul",
-                              lambda *a, **kw: _interpreted(real, *a, **kw)):
-        got = np.asarray(moe_layer.moe(x, kernel, cfg, None, impl="routed")[0], np.float32)
-    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+    layouts = {}
+    for row_padding in (True, False):    # the pairs laid out where they are, or sorted first
+        with mock.patch.object(gm, "uses_kernel", lambda w, impl="auto": True), \
+                mock.patch.object(moe_layer, "ROW_PADDING", row_padding), \
+                mock.patch.object(gm, "padded_matmul",
+                                  lambda *a, **kw: _interpreted(real, *a, **kw)):
+            got = np.asarray(moe_layer.moe(x, kernel, cfg, None, impl="routed")[0], np.float32)
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+        layouts[row_padding] = got
+    np.testing.assert_array_equal(layouts[True], layouts[False])      # the same layout
 
 
 @pytest.mark.parametrize("tokens", [1, 3])

@@ -89,6 +89,14 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     "row_xla": {("dsv41_jax.layers.attention", "WINDOW_ROW_IN_KERNEL"): False},
     "route_row_xla": {("dsv41_jax.layers.moe", "ROUTE_IN_KERNEL"): False,
                       ("dsv41_jax.layers.attention", "WINDOW_ROW_IN_KERNEL"): False},
+    # the GEMV's 17-64-row inputs multiplied with the weight tile of 64 rows as the
+    # tensor-core instruction's first operand, scaled in registers, instead of per 32-row
+    # block with the input scaled (the default)
+    "gemv_swapped": {("pallas_kernels.gemv.triton", "SWAP_MIN_ROWS"): 17},
+    # the grouped MoE path's (token, expert) pairs sorted by expert before the kernel's padded
+    # layout is made (argsort, bincount, the permutation's scatter) instead of laid out where
+    # they are (the default; the same layout)
+    "sorted_pairs": {("dsv41_jax.layers.moe", "ROW_PADDING"): False},
     # the query's RoPE and the attention output's inverse one applied by XLA around the FP8
     # GEMVs of wq_b and wo_a (two launches a layer more) instead of by the kernels on their
     # tiles (the default)

@@ -157,6 +157,13 @@ def _grouped_linear(x: Float[Array, "P I"], pe: dict, group_sizes: Int[Array, "E
     return y.astype(BF16)
 
 
+#: A decode step's grouped path on the GPU kernel lays its (token, expert) pairs out where
+#: they are (:func:`pallas_kernels.grouped_matmul.row_padding`: counts and comparisons, no
+#: sort, no scatter of a permutation) instead of sorting them by expert first; the padded
+#: layout, hence every output bit, is the same. False: sorted first (the layout before).
+ROW_PADDING = True
+
+
 def _grouped_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k"],
                      w: Float[Array, "N k"], limit: float) -> Float[Array, "N D"]:
     """The routed experts as grouped matmuls over the (token, expert) pairs only: the pairs
@@ -168,6 +175,13 @@ def _grouped_experts(x: Float[Array, "N D"], experts: dict, idx: Int[Array, "N k
     N, k = idx.shape
     E = next(v for key, v in experts["w1"].items() if key != "at").shape[-3]
     flat_e = idx.reshape(-1)
+    if (grouped_matmul.uses_kernel(experts["w1"])
+            and N * k <= grouped_matmul.ROW_PADDING_MAX_ROWS and ROW_PADDING):
+        # the pairs where they are: each token's in increasing expert id, no sort
+        pad = grouped_matmul.row_padding(flat_e, E)
+        pos = (jnp.arange(N)[:, None] * k + ascending_order(idx)).reshape(-1)
+        return _padded_experts(x, experts, jnp.arange(N * k, dtype=jnp.int32) // k,
+                               w.reshape(-1), pad, pos, limit)
     perm = jnp.argsort(flat_e, stable=True)                      # pairs sorted by expert
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     ws = w.reshape(-1)[perm]

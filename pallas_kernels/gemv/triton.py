@@ -65,6 +65,15 @@ UNSPLIT_ROW_BLOCKS = 256
 #: "Decode step by op group"); with 4 the batch-4 step is 1.6x slower than on the tensor cores
 #: (docs/kernels.md, "FP8 stacked GEMV").
 FMA_MAX_ROWS = 1
+#: Inputs of at least this many rows (and programs of 64 or more output rows) multiply with
+#: the weight as the matrix instruction's first operand ("swap AB"): each program converts its
+#: ``[block_n, block_k]`` weight tile to bf16 and scales it in registers (one product per
+#: weight value, by its tile's power of two) and accumulates ``W @ x^T`` ``[block_n, tile]``,
+#: so the input tile goes to the instruction as it is loaded, once per program instead of once
+#: per 32-row block, and one instruction spans 64 weight rows. 65 (the default): never; the
+#: path is interpret-tested but not yet timed on a GPU (``tools/decode_ab.py --batch 64
+#: --variants base,gemv_swapped``).
+SWAP_MIN_ROWS = 65
 #: The CUDA-core path's accumulator elements per program (``rows x block_n x block_k``, 64
 #: fp32 registers a thread at 4 warps): it caps the default ``block_k``.
 FMA_ACC_ELEMENTS = 8192
@@ -157,8 +166,9 @@ def _kernel(layer_ref, x_ref, *refs, block_k, block_n, n_k, group_rows, rows, ti
             lambda: _accumulate(layer, x_ref, w1, s1, nb - first_blocks[1], ks, g,
                                 block_k=block_k, n_k=n_k, subs=subs, rows=rows, tile=tile,
                                 act_quant=act_quant, interpret=interpret))
-    if rope is not None and rope[0] == "output":    # each 32-row block's channels rotated
-        accs = tuple(turn(a.astype(o_ref.dtype).astype(F32), nb * block_n + j * BLOCK_N,
+    width = accs[0].shape[1]        # BLOCK_N, or block_n from the swapped operands
+    if rope is not None and rope[0] == "output":    # each block's channels rotated
+        accs = tuple(turn(a.astype(o_ref.dtype).astype(F32), nb * block_n + j * width,
                           dtype=o_ref.dtype) for j, a in enumerate(accs))
     _store(o_ref, accs, o_ref.shape[0], tile)
 
@@ -200,6 +210,10 @@ def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, ro
         return _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, load, block_k=block_k,
                                n_k=n_k, subs=subs, rows=rows, tile=tile, act_quant=act_quant,
                                interpret=interpret, turn=turn)
+    if rows >= SWAP_MIN_ROWS and subs > 1:
+        return _accumulate_swapped(layer, x_ref, w_ref, s_ref, nb, ks, load, block_k=block_k,
+                                   n_k=n_k, subs=subs, tile=tile, act_quant=act_quant,
+                                   interpret=interpret, turn=turn)
 
     def step(i, accs):
         k0 = (ks * n_k + i) * block_k
@@ -219,6 +233,39 @@ def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, ro
         return tuple(out)
 
     return jax.lax.fori_loop(0, n_k, step, (jnp.zeros((tile, BLOCK_N), F32),) * subs)
+
+
+def _accumulate_swapped(layer, x_ref, w_ref, s_ref, nb, ks, load, *, block_k, n_k, subs, tile,
+                        act_quant, interpret, turn=None):
+    """:func:`_accumulate` with the weight as the first operand (:data:`SWAP_MIN_ROWS`): per
+    step the ``[subs x 32, block_k]`` weight tile converted to bf16 and multiplied by each
+    32 x 32 tile's power of two in registers (exact), ``W @ x^T`` added into one fp32
+    ``[subs x 32, tile]`` accumulator; returned transposed as one ``[tile, subs x 32]`` tile."""
+    block_n = subs * BLOCK_N
+    sub = jnp.arange(block_n, dtype=I32)[:, None] // BLOCK_N
+
+    def step(i, acc):
+        k0 = (ks * n_k + i) * block_k
+        x = load(k0)
+        if turn is not None:
+            x = turn(x, k0, dtype=x_ref.dtype)
+        if act_quant:
+            x = _act_qdq(x, interpret)          # exact in bf16
+        w = w_ref[layer, pl.ds(nb * block_n, block_n), pl.ds(k0, block_k)].astype(F32)
+        sf = None
+        for j in range(subs):      # each row's 32 x 32 tiles' scales, [block_n, block_k]
+            s = s_ref[layer, pl.ds(nb * subs + j, 1), pl.ds(k0 // 32, block_k // 32)]
+            s = repeat_columns(jax.lax.bitcast_convert_type(s.astype(I32) << 23, F32), 32)
+            sf = s if sf is None else jnp.where(sub == j, s, sf)
+        wb = (w * sf).astype(BF16)
+        xb = x.astype(BF16)
+        if interpret:
+            wb, xb = wb.astype(F32), xb.astype(F32)
+        return acc + jax.lax.dot_general(wb, xb, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=F32)
+
+    acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((block_n, tile), F32))
+    return (acc.T,)
 
 
 def _weight_tile(layer, w_ref, s_ref, nb, j, k0, *, subs, block_k):
@@ -317,18 +364,19 @@ def _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, load, *, block_k, n_k, s
 
 
 def _store(o_ref, accs, rows, tile):
-    """The accumulators (``tile`` rows) into the output block of ``rows`` rows."""
-    subs = len(accs)
+    """The accumulators (``tile`` rows, side by side) into the output block of ``rows``
+    rows."""
+    subs, width = len(accs), accs[0].shape[1]
     if rows == tile:
         for j in range(subs):
-            o_ref[:, pl.ds(j * BLOCK_N, BLOCK_N)] = accs[j].astype(o_ref.dtype)
+            o_ref[:, pl.ds(j * width, width)] = accs[j].astype(o_ref.dtype)
         return
     # only the input's rows are written (a decode step of batch 1 writes 1 of the 16): each
     # picked out of the tile by a sum whose other terms are zeros (exact)
     pick = jnp.arange(tile)[:, None]
     for j in range(subs):
         for m in range(rows):
-            o_ref[m, pl.ds(j * BLOCK_N, BLOCK_N)] = jnp.sum(
+            o_ref[m, pl.ds(j * width, width)] = jnp.sum(
                 jnp.where(pick == m, accs[j], 0.0), axis=0).astype(o_ref.dtype)
 
 
@@ -372,12 +420,16 @@ def config(N: int, K: int, block_k: int | None = None, k_splits: int | None = No
     return block_k, k_splits
 
 
-def default_block_n(N: int, group_rows: int) -> int:
+def default_block_n(N: int, group_rows: int, rows: int = 1) -> int:
     """Output rows per program: 64 where that still leaves at least half of
     :data:`TARGET_PROGRAMS` programs without splitting K and divides a group's rows, else
     :data:`BLOCK_N` (on an H200, ``[32768, 1280]`` ran in 24.3 us with 64 against 26.3 us
-    with 32; ``[8192, 4096]`` was slower with 64)."""
+    with 32; ``[8192, 4096]`` was slower with 64). An input of :data:`SWAP_MIN_ROWS` rows or
+    more takes 64 wherever it divides a group's rows (the swapped operands' instruction
+    height; K splits make up the programs)."""
     wide = 2 * BLOCK_N
+    if rows >= SWAP_MIN_ROWS and group_rows % wide == 0:
+        return wide
     return wide if N // wide >= TARGET_PROGRAMS // 2 and group_rows % wide == 0 else BLOCK_N
 
 
@@ -395,7 +447,7 @@ def fp8_gemv(x, w, scale, layer, rope_positions=None, rope_freqs=None, *, act_qu
     (:func:`pallas_kernels.gemv.fp8_gemv`'s ``rope_in`` / ``rope_out``)."""
     M, G, K = x.shape
     N = w.shape[1]
-    block_n = default_block_n(N, N // G) if block_n is None else block_n
+    block_n = default_block_n(N, N // G, M) if block_n is None else block_n
     if (N // G) % block_n:
         raise ValueError(f"block_n={block_n} must divide the rows of a group, N / G = {N // G}")
     [y] = _call(x, ((w, scale),), layer, act_quant=act_quant, block_k=block_k,
@@ -418,7 +470,7 @@ def fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, *, act_quant=False, block_k=
     ``out_dtype``; ``partials``: also the kernel's output before the reduction (:func:`_call`)."""
     N0, N1 = w0.shape[1], w1.shape[1]
     if block_n is None:
-        block_n = default_block_n(N0 + N1, N0 + N1)
+        block_n = default_block_n(N0 + N1, N0 + N1, x.shape[0])
         block_n = block_n if N0 % block_n == 0 and N1 % block_n == 0 else BLOCK_N
     if N0 % block_n or N1 % block_n:
         raise ValueError(f"block_n={block_n} must divide both weights' rows, {N0} and {N1}")
@@ -441,7 +493,7 @@ def fp8_gemv_swiglu(parts, w, scale, layer, *, rows, limit, act_quant=False, blo
     if parts.shape[-1] != 2 * I or parts.shape[1] < rows:
         raise ValueError(f"parts {parts.shape}: [S, P >= {rows}, 2 x {I}] expected (the gate "
                          f"and up projections' partial sums side by side)")
-    block_n = default_block_n(N, N) if block_n is None else block_n
+    block_n = default_block_n(N, N, rows) if block_n is None else block_n
     [y] = _call(parts, ((w, scale),), layer, act_quant=act_quant, block_k=block_k,
                 k_splits=k_splits, block_n=block_n, num_warps=num_warps,
                 num_stages=num_stages, interpret=interpret, out_dtype=out_dtype,

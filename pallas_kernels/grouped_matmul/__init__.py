@@ -31,7 +31,8 @@ from pallas_kernels.fp4.reference import BF16, F32
 from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tpu
 
 __all__ = ["ROWS_OUT", "grouped_matmul", "prepare_experts", "kernel_fits", "is_kernel_form",
-           "dequant", "kernel_form_values", "in_layer", "Padding", "padding", "pair_padding",
+           "dequant", "kernel_form_values", "in_layer", "Padding", "padding", "row_padding",
+           "pair_padding",
            "padded_matmul", "uses_kernel"]
 
 prepare_experts = mosaic_gpu.prepare_experts
@@ -124,6 +125,39 @@ def padding(group_sizes: Int[Array, "E"], rows: int, block_m: int | None = None)
     src = jnp.full((R,), rows, jnp.int32).at[dest].set(jnp.arange(rows, dtype=jnp.int32),
                                                          mode="drop")
     return Padding(dest, src, tile_expert, bm)
+
+
+#: The most rows :func:`row_padding` takes: it compares every pair of rows (``P x P``), one
+#: fused reduction for a decode step's few hundred (token, expert) pairs.
+ROW_PADDING_MAX_ROWS = 2048
+
+
+def row_padding(row_expert: Int[Array, "P"], experts: int, block_m: int | None = None
+                ) -> Padding:
+    """:func:`padding`'s layout for rows in any order, each naming its expert: the rows of an
+    expert keep their order (a stable sort's), so the layout is ``padding``'s of the rows
+    sorted by expert, its ``dest`` / ``src`` indexing the rows where they are. Nothing is
+    sorted: each row's place among its expert's rows is a count of the earlier rows with the
+    same expert (``P x P`` comparisons; at most :data:`ROW_PADDING_MAX_ROWS` rows, else
+    ``ValueError``). Token tile: ``block_m`` or :func:`mosaic_gpu.pick_block_m`."""
+    P = row_expert.shape[0]
+    if P > ROW_PADDING_MAX_ROWS:
+        raise ValueError(f"row_padding: {P} rows, at most {ROW_PADDING_MAX_ROWS}")
+    bm = block_m or mosaic_gpu.pick_block_m(P, experts)
+    e = row_expert.astype(jnp.int32)
+    sizes = jnp.sum(e[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0,
+                    dtype=jnp.int32)
+    r = jnp.arange(P, dtype=jnp.int32)
+    rank = jnp.sum((e[None, :] == e[:, None]) & (r[None, :] < r[:, None]), axis=1,
+                   dtype=jnp.int32)                     # earlier rows of the same expert
+    tiles = (sizes + bm - 1) // bm
+    tile_end = jnp.cumsum(tiles)
+    T = P // bm + experts
+    dest = (tile_end - tiles)[e] * bm + rank
+    t = jnp.arange(T, dtype=jnp.int32)
+    te = jnp.searchsorted(tile_end, t, side="right", method="compare_all").astype(jnp.int32)
+    src = jnp.full((T * bm,), P, jnp.int32).at[dest].set(r, mode="drop")
+    return Padding(dest, src, jnp.where(te < experts, te, -1), bm)
 
 
 def pair_padding(row_expert: Int[Array, "P"], block_m: int = mosaic_gpu.BLOCK_MS[0]
