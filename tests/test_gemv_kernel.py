@@ -439,10 +439,17 @@ def test_decode_through_the_kernel_matches_the_stored_form():
     fake.fp8_gemv, fake.fp8_gemv_swiglu = rope_gemv, swiglu_gemv
     with mock.patch.object(lin, "on_gpu", lambda: True), mock.patch.object(lin, "gemv", fake), \
             mock.patch.object(lin, "ROPE_IN_KERNEL", True), \
-            mock.patch.object(moe, "SWIGLU_IN_KERNEL", True):
+            mock.patch.object(moe, "SWIGLU_IN_KERNEL", True), \
+            mock.patch.object(lin, "PROLOGUE_MAX_ROWS", 2):        # this step's two rows
         fused, _ = jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
     assert {"rope_in", "rope_out", "swiglu"} <= set(seen)
     np.testing.assert_array_equal(np.asarray(fused), got)
+    # by default only a one-row input takes them (lin.PROLOGUE_MAX_ROWS): two rows do not
+    seen.clear()
+    assert lin.PROLOGUE_MAX_ROWS == 1
+    with mock.patch.object(lin, "on_gpu", lambda: True), mock.patch.object(lin, "gemv", fake):
+        jax.jit(lambda *a: step(*a))(p, state0, jnp.asarray(tok))
+    assert not seen
 
 
 def _rope_args(rng, M, pairs, head, inverse):

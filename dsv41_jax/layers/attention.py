@@ -247,9 +247,9 @@ def attention(p: dict, x: Float[Array, "B S D"], role: LayerRole, cfg: ModelConf
     # one GEMV launch in a decode step; its partial sums for the ring kernel (below)
     qa, kva, qkv_parts = linear_pair(x, p["wq_a"], p["wkv"], partials=True)
     # the query's and the output's rotations inside their FP8 GEMV kernels where those run (a
-    # decode step's few rows; a prefill's linears are XLA's GEMMs: it rotates with cos / sin)
+    # decode step of one row; a prefill's linears are XLA's GEMMs: it rotates with cos / sin)
     angles = ((ch.positions, jnp.asarray(ch.freqs[role.rope], F32))
-              if ch.decode and rope_in_kernel() else None)
+              if ch.decode and rope_in_kernel(B * S) else None)
     qr, q = queries(p, x, cfg, cos, sin, qa, angles=angles)
     kv_rows = window_rows(p, x, cfg, cos, sin, kva)
     kv_codes, kv_scale = quant.fp8_quantize(kv_rows, 32)

@@ -102,14 +102,22 @@ def _in_stack(p: dict) -> dict:
 #: H100 (``tools/decode_ab.py --variants rope_swiglu_xla,base``): 1,343 -> 1,223 launches,
 #: 5.94 -> 5.89 ms queued, 6.13 -> 6.03 ms of device time. False: by XLA around it.
 ROPE_IN_KERNEL = True
+#: The most input rows for which the FP8 GEMV kernel makes its input or output's RoPE
+#: (:data:`ROPE_IN_KERNEL`) or its input's SwiGLU (``layers.moe.SWIGLU_IN_KERNEL``): every
+#: program recomputes the angles or the activation of the input tile it reads, work that
+#: grows with the rows while the weight's bytes do not. A `mid` decode step of batch 64 on an
+#: H100 ran 21.6 ms of device time with both in the kernel against 16.4 ms before them
+#: (docs/benchmarks.md, "Switches timed").
+PROLOGUE_MAX_ROWS = 1
 
 
-def rope_in_kernel() -> bool:
-    """Whether a caller should hand its rotary embedding to :func:`linear` /
-    :func:`grouped_linear` (``rope=``) so that the FP8 GEMV kernel applies it: on a GPU with
-    :data:`ROPE_IN_KERNEL`. Elsewhere the caller rotates with ``apply_rope`` itself, as the
-    XLA form does (the same values either way)."""
-    return ROPE_IN_KERNEL and on_gpu()
+def rope_in_kernel(rows: int) -> bool:
+    """Whether a caller with ``rows`` input rows should hand its rotary embedding to
+    :func:`linear` / :func:`grouped_linear` (``rope=``) so that the FP8 GEMV kernel applies
+    it: on a GPU with :data:`ROPE_IN_KERNEL`, up to :data:`PROLOGUE_MAX_ROWS` rows. Elsewhere
+    the caller rotates with ``apply_rope`` itself, as the XLA form does (the same values
+    either way)."""
+    return ROPE_IN_KERNEL and rows <= PROLOGUE_MAX_ROWS and on_gpu()
 
 
 def _rope_heads(y: jax.Array, rope: tuple) -> jax.Array:
@@ -239,8 +247,10 @@ def swiglu_linear(pair_parts: tuple | None, p: dict, limit: float, rows: int
     the FP8 GEMV kernel (:func:`pallas_kernels.gemv.fp8_gemv_swiglu`): neither the pair's
     reduction nor the SwiGLU launches a kernel of its own. ``rows``: the pair's input rows.
     bf16 ``[rows, O]``, or None where the kernel does not run (no partial sums, not a stacked
-    FP8 linear, shapes it does not take): then compute it from the pair's outputs."""
-    if pair_parts is None or "at" not in p or "fp8" not in p or not on_gpu():
+    FP8 linear, shapes it does not take, more rows than :data:`PROLOGUE_MAX_ROWS`): then
+    compute it from the pair's outputs."""
+    if (pair_parts is None or "at" not in p or "fp8" not in p or rows > PROLOGUE_MAX_ROWS
+            or not on_gpu()):
         return None
     parts, width = pair_parts
     w, s = p["fp8"], p["scale"]

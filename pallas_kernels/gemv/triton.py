@@ -70,9 +70,11 @@ FMA_MAX_ROWS = 1
 #: ``[block_n, block_k]`` weight tile to bf16 and scales it in registers (one product per
 #: weight value, by its tile's power of two) and accumulates ``W @ x^T`` ``[block_n, tile]``,
 #: so the input tile goes to the instruction as it is loaded, once per program instead of once
-#: per 32-row block, and one instruction spans 64 weight rows. 65 (the default): never; the
-#: path is interpret-tested but not yet timed on a GPU (``tools/decode_ab.py --batch 64
-#: --variants base,gemv_swapped``).
+#: per 32-row block, and one instruction spans 64 weight rows. 65 (the default): never. In a
+#: `mid` decode step of batch 64 on an H100 it made the GEMVs without an input prologue 11%
+#: faster and those with one (a RoPE or SwiGLU, since kept to one row) 1.7x slower
+#: (docs/benchmarks.md, "Switches timed"; ``tools/decode_ab.py --batch 64 --variants
+#: base,gemv_swapped``); off until timed again.
 SWAP_MIN_ROWS = 65
 #: The CUDA-core path's accumulator elements per program (``rows x block_n x block_k``, 64
 #: fp32 registers a thread at 4 warps): it caps the default ``block_k``.
