@@ -217,13 +217,12 @@ def _accumulate(layer, x_ref, w_ref, s_ref, nb, ks, g, *, block_k, n_k, subs, ro
                                    n_k=n_k, subs=subs, tile=tile, act_quant=act_quant,
                                    interpret=interpret, turn=turn)
 
+    prepare = functools.partial(_input_tile, load, turn=turn, act_quant=act_quant,
+                                interpret=interpret, dtype=x_ref.dtype)
+
     def step(i, accs):
         k0 = (ks * n_k + i) * block_k
-        x = load(k0)
-        if turn is not None:
-            x = turn(x, k0, dtype=x_ref.dtype)
-        if act_quant:
-            x = _act_qdq(x, interpret)          # exact in bf16
+        x = prepare(k0)
         out = []
         for j in range(subs):
             w, sf = _weight_tile(layer, w_ref, s_ref, nb, j, k0, subs=subs, block_k=block_k)
@@ -245,14 +244,12 @@ def _accumulate_swapped(layer, x_ref, w_ref, s_ref, nb, ks, load, *, block_k, n_
     ``[subs x 32, tile]`` accumulator; returned transposed as one ``[tile, subs x 32]`` tile."""
     block_n = subs * BLOCK_N
     sub = jnp.arange(block_n, dtype=I32)[:, None] // BLOCK_N
+    prepare = functools.partial(_input_tile, load, turn=turn, act_quant=act_quant,
+                                interpret=interpret, dtype=x_ref.dtype)
 
     def step(i, acc):
         k0 = (ks * n_k + i) * block_k
-        x = load(k0)
-        if turn is not None:
-            x = turn(x, k0, dtype=x_ref.dtype)
-        if act_quant:
-            x = _act_qdq(x, interpret)          # exact in bf16
+        x = prepare(k0)
         w = w_ref[layer, pl.ds(nb * block_n, block_n), pl.ds(k0, block_k)].astype(F32)
         sf = None
         for j in range(subs):      # each row's 32 x 32 tiles' scales, [block_n, block_k]
@@ -268,6 +265,16 @@ def _accumulate_swapped(layer, x_ref, w_ref, s_ref, nb, ks, load, *, block_k, n_
 
     acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((block_n, tile), F32))
     return (acc.T,)
+
+
+def _input_tile(load, k0, m=None, *, turn, act_quant, interpret, dtype):
+    """The input's columns ``k0..`` as the products take them, fp32: the tile's rows (or row
+    ``m``, ``[1, block_k]``) loaded, rotated (``turn``: :func:`_rotate` with the rows'
+    positions; row ``m``'s own) and FP8-QDQ'd (``act_quant``; exact in bf16)."""
+    x = load(k0) if m is None else load(k0, m)
+    if turn is not None:
+        x = turn(x, k0, dtype=dtype) if m is None else turn(x, k0, dtype=dtype, row=m)
+    return _act_qdq(x, interpret) if act_quant else x
 
 
 def _weight_tile(layer, w_ref, s_ref, nb, j, k0, *, subs, block_k):
@@ -336,12 +343,8 @@ def _accumulate_fma(layer, x_ref, w_ref, s_ref, nb, ks, load, *, block_k, n_k, s
 
     def step(i, accs):
         k0 = (ks * n_k + i) * block_k
-        xs = []
-        for m in range(rows):
-            x = load(k0, m)
-            if turn is not None:                 # the row's own position
-                x = turn(x, k0, dtype=x_ref.dtype, row=m)
-            xs.append(_act_qdq(x, interpret) if act_quant else x)      # exact in bf16
+        xs = [_input_tile(load, k0, m, turn=turn, act_quant=act_quant, interpret=interpret,
+                          dtype=x_ref.dtype) for m in range(rows)]
         out = []
         for j in range(subs):
             w, sf = _weight_tile(layer, w_ref, s_ref, nb, j, k0, subs=subs, block_k=block_k)
