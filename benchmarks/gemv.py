@@ -50,9 +50,7 @@ def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
     (the CPU smoke test)."""
     from dsv41_jax.layers import linear as lin
     seen: dict = {}
-    real, real_pair = gemv.fp8_gemv, gemv.fp8_gemv_pair
-
-    real_swiglu = gemv.fp8_gemv_swiglu
+    real, real_pair, real_swiglu = gemv.fp8_gemv, gemv.fp8_gemv_pair, gemv.fp8_gemv_swiglu
 
     def record(x, w, scale, layer, *, act_quant=False, impl="auto", **kw):
         key = (tuple(x.shape), tuple(w.shape), bool(act_quant), None)

@@ -180,14 +180,15 @@ def linear(x: Float[Array, "... I"], p: dict, *, rope: tuple | None = None
     ``rope``: ``(positions int32 [...], freqs fp32 [R/2], head, inverse)``: then the output's
     heads of ``head`` channels are rotated after its rounding, row ``...`` at its position
     (:func:`pallas_kernels.rope.apply_rope` per head; the query path's RoPE,
-    docs/architecture.md, "Queries"): inside the FP8 GEMV kernel where it runs and
-    :data:`ROPE_IN_KERNEL` is set, else by XLA after it; the same values.
+    docs/architecture.md, "Queries"): inside the FP8 GEMV kernel where it runs,
+    :data:`ROPE_IN_KERNEL` is set and ``x`` has at most :data:`PROLOGUE_MAX_ROWS` rows, else by
+    XLA after it; the same values.
 
     Returns bf16, except for an fp32 weight, which returns fp32.
     """
     if rope is not None:
         y = None
-        if ROPE_IN_KERNEL and "fp8" in p:
+        if ROPE_IN_KERNEL and "fp8" in p and _rows(x) <= PROLOGUE_MAX_ROWS:
             y = _stack_gemv(x[..., None, :], p, act_quant=is_quantized(p), out_dtype=BF16,
                             rope_out=rope)
         return y if y is not None else _rope_heads(linear(x, p), rope)
@@ -268,11 +269,13 @@ def grouped_linear(x: Float[Array, "... G I"], p: dict, *, rope: tuple | None = 
     weight (``[G*O, I]``), fp32 accumulation, bf16 out, no activation quantisation (the
     grouped output projection, docs/architecture.md, "Output projection"). ``rope``: as
     :func:`linear`'s, applied to the input's heads first (each group's ``I`` channels; the
-    attention output's inverse rotation): inside the FP8 GEMV kernel where it runs and
-    :data:`ROPE_IN_KERNEL` is set, else by XLA before it."""
+    attention output's inverse rotation): inside the FP8 GEMV kernel where it runs,
+    :data:`ROPE_IN_KERNEL` is set and ``x`` has at most :data:`PROLOGUE_MAX_ROWS` rows, else by
+    XLA before it."""
     G = x.shape[-2]
     if rope is not None:
-        y = _stack_gemv(x, p, out_dtype=BF16, rope_in=rope) if ROPE_IN_KERNEL else None
+        y = (_stack_gemv(x, p, out_dtype=BF16, rope_in=rope)
+             if ROPE_IN_KERNEL and _rows(x) // G <= PROLOGUE_MAX_ROWS else None)
         if y is not None:
             return y.reshape(*x.shape[:-1], -1)
         x = _rope_heads(x, rope)

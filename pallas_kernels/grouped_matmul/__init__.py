@@ -150,14 +150,10 @@ def row_padding(row_expert: Int[Array, "P"], experts: int, block_m: int | None =
     r = jnp.arange(P, dtype=jnp.int32)
     rank = jnp.sum((e[None, :] == e[:, None]) & (r[None, :] < r[:, None]), axis=1,
                    dtype=jnp.int32)                     # earlier rows of the same expert
-    tiles = (sizes + bm - 1) // bm
-    tile_end = jnp.cumsum(tiles)
-    T = P // bm + experts
-    dest = (tile_end - tiles)[e] * bm + rank
-    t = jnp.arange(T, dtype=jnp.int32)
-    te = jnp.searchsorted(tile_end, t, side="right", method="compare_all").astype(jnp.int32)
-    src = jnp.full((T * bm,), P, jnp.int32).at[dest].set(r, mode="drop")
-    return Padding(dest, src, jnp.where(te < experts, te, -1), bm)
+    tile_start, tile_expert = mosaic_gpu.group_tiles(sizes, P, bm)
+    dest = tile_start[e] * bm + rank
+    src = jnp.full((tile_expert.shape[0] * bm,), P, jnp.int32).at[dest].set(r, mode="drop")
+    return Padding(dest, src, tile_expert, bm)
 
 
 def pair_padding(row_expert: Int[Array, "P"], block_m: int = mosaic_gpu.BLOCK_MS[0]

@@ -98,9 +98,7 @@ def pad_groups(group_sizes: Int[Array, "E"], rows: int, block_m: int):
     E = group_sizes.shape[0]
     T = rows // block_m + E
     sizes = group_sizes.astype(jnp.int32)
-    tiles = (sizes + block_m - 1) // block_m
-    tile_end = jnp.cumsum(tiles)
-    tile_start = tile_end - tiles
+    tile_start, tile_expert = group_tiles(sizes, rows, block_m)
     row_start = jnp.cumsum(sizes) - sizes
     p = jnp.arange(rows, dtype=jnp.int32)
     # compare_all: one fused comparison (the default's binary search is a loop of kernels)
@@ -109,9 +107,21 @@ def pad_groups(group_sizes: Int[Array, "E"], rows: int, block_m: int):
     used = e < E
     e = jnp.minimum(e, E - 1)
     dest = jnp.where(used, tile_start[e] * block_m + p - row_start[e], T * block_m)
-    t = jnp.arange(T, dtype=jnp.int32)
+    return dest, tile_expert
+
+
+def group_tiles(sizes: Int[Array, "E"], rows: int, block_m: int):
+    """The token tiles of groups of ``sizes`` rows (int32, at most ``rows`` in all), each
+    group's rows in whole tiles of ``block_m``: ``(tile_start int32 [E], tile_expert int32
+    [T])``, the first tile of each group and the group of each of the ``T = rows // block_m +
+    E`` tiles (``-1``: unused)."""
+    E = sizes.shape[0]
+    tiles = (sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles)
+    t = jnp.arange(rows // block_m + E, dtype=jnp.int32)
+    # compare_all: one fused comparison (the default's binary search is a loop of kernels)
     te = jnp.searchsorted(tile_end, t, side="right", method="compare_all").astype(jnp.int32)
-    return dest, jnp.where(te < E, te, -1)
+    return tile_end - tiles, jnp.where(te < E, te, -1)
 
 
 def pick_k_splits(rows: int, experts: int, n: int, k: int, sms: int = 132) -> int:
