@@ -81,36 +81,43 @@ def test_interpret_matches_reference(sizes, P, K, block_m, k_splits):
     assert (got[sum(sizes):] == 0).all()
 
 
-def test_rows_out_is_the_transpose():
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_rows_out_is_the_transpose(k_splits):
     """The kernel's row-major output (``rows_out``, the tile transposed on its way into
-    shared memory) holds exactly the values of its ``Y^T``, and ``padded_matmul`` gives the same
-    rows either way (:data:`grouped_matmul.ROWS_OUT`); ``rows_out`` with split K is refused."""
+    shared memory; with split K the fp32 partial sums, as their high and low 16 bits) holds
+    exactly the values of its ``Y^T``, and ``padded_matmul`` gives the same rows either way
+    (:data:`grouped_matmul.ROWS_OUT`)."""
     rng = np.random.default_rng(11)
-    E, N, K, block_m = 3, 256, 128, 16
+    E, N, K, block_m = 3, 256, 256, 16
     codes, scale = _experts(rng, E, N, K)
     w = gm.prepare_experts(codes, scale)
     pad = gm.padding(jnp.asarray([9, 0, 20], jnp.int32), 29, block_m)
     xp = pad.pad(jnp.asarray(rng.normal(0, 1, (29, K)), jnp.bfloat16))
+    kw = dict(block_m=block_m, k_splits=k_splits, interpret=True)
     try:
-        yt = mg.grouped_matmul_t(xp, w, pad.tile_expert, block_m=block_m, interpret=True)
-        y = mg.grouped_matmul_t(xp, w, pad.tile_expert, block_m=block_m, rows_out=True,
-                                interpret=True)
-        assert y.shape == (pad.rows, N) and yt.shape == (N, pad.rows)
-        used = np.asarray(pad.dest)
-        np.testing.assert_array_equal(np.asarray(y, np.float32)[used],
-                                      np.asarray(yt, np.float32).T[used])
+        yt = mg.grouped_matmul_t(xp, w, pad.tile_expert, **kw)
+        y = mg.grouped_matmul_t(xp, w, pad.tile_expert, rows_out=True, **kw)
         rows = {}
         for flag in (True, False):
             with mock.patch.object(gm, "ROWS_OUT", flag):
-                rows[flag] = np.asarray(pad.unpad(gm.padded_matmul(xp, w, pad, interpret=True)),
-                                        np.float32)
+                rows[flag] = np.asarray(pad.unpad(gm.padded_matmul(xp, w, pad, k_splits=k_splits,
+                                                                   interpret=True)), np.float32)
     except Exception:
         _reset_interpreter()
         raise
+    if k_splits == 1:
+        assert y.shape == (pad.rows, N) and yt.shape == (N, pad.rows) and y.dtype == jnp.bfloat16
+        y, yt = y[None], yt[None]
+    else:
+        assert y.shape == (k_splits, pad.rows, N) and yt.shape == (k_splits, N, pad.rows)
+        assert y.dtype == yt.dtype == jnp.float32
+    used = np.asarray(pad.dest)
+    y, yt = np.asarray(y, np.float32)[:, used], np.swapaxes(np.asarray(yt, np.float32), 1, 2)[:, used]
+    assert np.abs(y).min() > 0 and len(np.unique(y)) > y.size // 8   # values, not a pattern
+    if k_splits > 1:        # the low 16 bits carried: most partial sums are not bf16 values
+        assert np.mean(y != y.astype(jnp.bfloat16).astype(np.float32)) > 0.9
+    np.testing.assert_array_equal(y, yt)
     np.testing.assert_array_equal(rows[True], rows[False])
-    with pytest.raises(ValueError, match="rows_out needs k_splits=1"):
-        mg.grouped_matmul_t(xp, w, pad.tile_expert, block_m=block_m, k_splits=2,
-                            rows_out=True, interpret=True)
 
 
 def test_stack_read_in_place():

@@ -97,6 +97,10 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     # layout is made (argsort, bincount, the permutation's scatter) instead of laid out where
     # they are (the default; the same layout)
     "sorted_pairs": {("dsv41_jax.layers.moe", "ROW_PADDING"): False},
+    # the grouped MoE kernel's output as Y^T (split K: fp32 partial sums [splits, N, R]),
+    # added and transposed by XLA, the combine gathering columns, instead of as rows (the
+    # default; split K's fp32 rows as two 16-bit planes)
+    "rows_t": {("pallas_kernels.grouped_matmul", "ROWS_OUT"): False},
     # the query's RoPE and the attention output's inverse one applied by XLA around the FP8
     # GEMVs of wq_b and wo_a (two launches a layer more) instead of by the kernels on their
     # tiles (the default)

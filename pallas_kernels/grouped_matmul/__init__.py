@@ -37,11 +37,12 @@ __all__ = ["ROWS_OUT", "grouped_matmul", "prepare_experts", "kernel_fits", "is_k
 
 prepare_experts = mosaic_gpu.prepare_experts
 
-#: Whether the GPU kernel writes its output as rows ``Y [R, N]`` where it runs one K split (a
-#: prefill's calls; ``mosaic_gpu.grouped_matmul_t(rows_out=True)``), so that the MoE's combine
-#: gathers each token's outputs as rows. ``False``: the kernel writes ``Y^T`` and XLA
-#: transposes it (the layout before). On an H100 at the mid shapes the rows are the same bits
-#: and the kernel plus combine take 0.19 ms instead of 0.54 (docs/benchmarks.md).
+#: Whether the GPU kernel writes its output as rows ``Y [R, N]``
+#: (``mosaic_gpu.grouped_matmul_t(rows_out=True)``; with split K, a decode step's calls, its
+#: fp32 partial sums as rows ``[k_splits, R, N]``), so that the MoE's combine gathers each
+#: token's outputs as rows. ``False``: the kernel writes ``Y^T`` and XLA transposes it (the
+#: layout before). On an H100 at the mid shapes, one K split (a prefill), the rows are the same
+#: bits and the kernel plus combine take 0.19 ms instead of 0.54 (docs/benchmarks.md).
 ROWS_OUT = True
 
 
@@ -184,8 +185,9 @@ def padded_matmul(xp: BFloat16[Array, "R K"], w: dict, pad: Padding, *, interpre
     """The GPU kernel on rows already in the padded layout: ``Y`` ``[R, N]`` (bf16), rows of
     padding rows 0 or undefined (never read back by :meth:`Padding.unpad`). ``w`` in the
     kernel form, possibly a stack with ``"at"``. ``k_splits``: default
-    :func:`mosaic_gpu.pick_k_splits`; with one split (a prefill) the kernel writes ``Y``'s
-    rows itself where :data:`ROWS_OUT`, else XLA transposes the kernel's ``Y^T``."""
+    :func:`mosaic_gpu.pick_k_splits`; the kernel writes ``Y``'s rows (with split K, its
+    partial sums' rows, added by XLA) itself where :data:`ROWS_OUT`, else XLA transposes the
+    kernel's ``Y^T``."""
     if not is_kernel_form(w):
         raise ValueError("grouped_matmul: the GPU kernel needs the kernel form of the experts "
                          "(prepare_experts)")
@@ -196,13 +198,12 @@ def padded_matmul(xp: BFloat16[Array, "R K"], w: dict, pad: Padding, *, interpre
         w = {k: w[k].reshape(-1, *w[k].shape[-2:]) for k in ("i4", "scale_t")}
     N, K = w["i4"].shape[-2:]
     splits = k_splits or mosaic_gpu.pick_k_splits(len(pad.dest), E, N, K)
-    rows_out = ROWS_OUT and splits == 1
     y = mosaic_gpu.grouped_matmul_t(xp, w, tile_expert, block_m=pad.block_m, k_splits=splits,
                                     max_concurrent_steps=max_concurrent_steps,
-                                    rows_out=rows_out, interpret=interpret)
-    if rows_out:
-        return y
-    return (y if splits == 1 else jnp.sum(y, axis=0).astype(BF16)).T
+                                    rows_out=ROWS_OUT, interpret=interpret)
+    if splits > 1:      # the K splits' fp32 partial sums added, rounded to bf16 once
+        y = jnp.sum(y, axis=0).astype(BF16)
+    return y if ROWS_OUT else y.T
 
 
 def grouped_matmul(x: BFloat16[Array, "P K"], w: dict, group_sizes: Int[Array, "E"], *,

@@ -17,9 +17,10 @@ handful of tokens to each expert) while the weight tile fills wgmma's 64-row M. 
 
 The finished ``[block_n, block_m]`` tile goes out through shared memory either as it is (the
 ``Y^T [N, R]`` of the swap, ``rows_out=False``) or stored transposed into a ``[block_m,
-block_n]`` buffer and copied out as rows of ``Y [R, N]`` (``rows_out=True``, bf16 output
-only): the caller then reads each token's outputs as rows (coalesced) instead of gathering
-columns of ``Y^T``.
+block_n]`` buffer and copied out as rows of ``Y [R, N]`` (``rows_out=True``; with split K
+the fp32 partial sums' rows, as their high and low 16 bits: Mosaic GPU transposes 16-bit
+tiles only): the caller then reads each token's outputs as rows (coalesced)
+instead of gathering columns of ``Y^T``.
 
 The rows are laid out by :func:`pad_groups`: grouped by expert, each expert's rows padded to a
 multiple of ``block_m``, so every token tile belongs to one expert (a table gives it) and
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, BFloat16, Int, UInt8
+from jaxtyping import Array, BFloat16, Float32, Int, UInt8
 
 from pallas_kernels.fp4.reference import BF16, F32, e8m0_to_f32, unpack_nibbles
 
@@ -145,7 +146,8 @@ def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block
     ks = lax.axis_index("k")
     e = tile_expert_gmem[t]
     steps = K // BLOCK_K // k_splits
-    out_dtype = BF16 if k_splits == 1 else F32
+    planes = rows_out and k_splits > 1
+    out_dtype = BF16 if k_splits == 1 or planes else F32
 
     @pl.when(e >= 0)
     def _():
@@ -182,17 +184,28 @@ def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block
         acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_N, block_m), F32))
 
         tile = (block_m, BLOCK_N) if rows_out else (BLOCK_N, block_m)
+        rows = pl.ds(t * block_m, block_m)
+        cols = pl.ds(n * BLOCK_N, BLOCK_N)
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(tile, out_dtype))
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(((2,) if planes else ()) + tile,
+                                                            out_dtype))
         def _store(o_smem):
-            if rows_out:            # the tile transposed on its way into shared memory
+            if planes:              # fp32 partial sums as rows: see _from_bit_planes
+                bits = lax.bitcast_convert_type(acc, jnp.uint32)
+                copies = []
+                for i, plane in enumerate((bits >> 16, bits & 0xFFFF)):
+                    o_smem.at[i].T[...] = lax.bitcast_convert_type(plane.astype(jnp.uint16),
+                                                                   BF16)
+                    copies.append((o_smem.at[i], o_gmem.at[ks, i, rows, cols]))
+            elif rows_out:          # the tile transposed on its way into shared memory
                 o_smem.T[...] = acc.astype(out_dtype)
-                dst = o_gmem.at[ks, pl.ds(t * block_m, block_m), pl.ds(n * BLOCK_N, BLOCK_N)]
+                copies = [(o_smem, o_gmem.at[ks, rows, cols])]
             else:
                 o_smem[...] = acc.astype(out_dtype)
-                dst = o_gmem.at[ks, pl.ds(n * BLOCK_N, BLOCK_N), pl.ds(t * block_m, block_m)]
+                copies = [(o_smem, o_gmem.at[ks, cols, rows])]
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, dst)
+            for src, dst in copies:
+                plgpu.copy_smem_to_gmem(src, dst)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -203,7 +216,8 @@ def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array,
     every row ``r`` of a used tile (``e(r) = tile_expert[r // block_m]``); the columns of
     unused tiles are left unwritten (their values are undefined). Returns bf16 ``[N, R]``,
     or with ``k_splits > 1`` the fp32 partial sums ``[k_splits, N, R]`` of each K split.
-    ``rows_out`` (``k_splits == 1`` only): ``Y`` itself, bf16 ``[R, N]`` (the same values).
+    ``rows_out``: ``Y`` itself, bf16 ``[R, N]`` (fp32 ``[k_splits, R, N]`` with split K; the
+    same values), each tile transposed on its way into shared memory.
 
     ``x``: bf16 ``[R, K]`` with ``R = T * block_m``; ``w``: the kernel form of
     :func:`prepare_experts`. Raises ``ValueError`` for shapes the kernel does not tile."""
@@ -219,12 +233,21 @@ def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array,
     if K % (BLOCK_K * k_splits) or N % BLOCK_N:
         raise ValueError(f"grouped_matmul_t: K={K} must be a multiple of {BLOCK_K} x "
                          f"k_splits={k_splits}, N={N} of {BLOCK_N}")
-    if rows_out and k_splits != 1:
-        raise ValueError(f"grouped_matmul_t: rows_out needs k_splits=1, got {k_splits}")
     y = _kernel_call(tile_expert.astype(jnp.int32), x.astype(BF16), i4, s, block_m=block_m,
               k_splits=k_splits, max_concurrent_steps=max_concurrent_steps, rows_out=rows_out,
               interpret=interpret)
-    return y[0] if k_splits == 1 else y
+    if k_splits == 1:
+        return y[0]
+    return _from_bit_planes(y) if rows_out else y
+
+
+def _from_bit_planes(y: BFloat16[Array, "S 2 R N"]) -> Float32[Array, "S R N"]:
+    """The fp32 values whose high and low 16 bits the kernel wrote as two bf16-typed planes
+    (exact). Mosaic GPU stores a tile transposed into shared memory for 16-bit types only, so
+    split K's fp32 partial sums leave the kernel as rows this way: the same bytes as fp32, and
+    XLA puts the halves together inside the fusion that adds the splits."""
+    hi, lo = (lax.bitcast_convert_type(y[:, i], jnp.uint16).astype(jnp.uint32) for i in (0, 1))
+    return lax.bitcast_convert_type((hi << 16) | lo, F32)
 
 
 # Jitted so that the call sites of one shape (every MoE layer of a scanned group, the encoder's
@@ -240,8 +263,11 @@ def _kernel_call(tile_expert, x, i4, s, *, block_m, k_splits, max_concurrent_ste
     R = x.shape[0]
     kernel = functools.partial(_kernel, K=K, block_m=block_m, k_splits=k_splits,
                                max_concurrent_steps=max_concurrent_steps, rows_out=rows_out)
-    out = jax.ShapeDtypeStruct((k_splits, R, N) if rows_out else (k_splits, N, R),
-                               BF16 if k_splits == 1 else F32)
+    if rows_out and k_splits > 1:   # fp32 rows as two 16-bit planes (_from_bit_planes)
+        out = jax.ShapeDtypeStruct((k_splits, 2, R, N), BF16)
+    else:
+        out = jax.ShapeDtypeStruct((k_splits, R, N) if rows_out else (k_splits, N, R),
+                                   BF16 if k_splits == 1 else F32)
     call = plgpu.kernel(
         kernel,
         out_type=out,
