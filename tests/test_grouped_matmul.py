@@ -120,6 +120,22 @@ def test_rows_out_is_the_transpose(k_splits):
     np.testing.assert_array_equal(rows[True], rows[False])
 
 
+def test_bit_planes_carry_every_fp32_value():
+    """Split K's fp32 rows leave the kernel as the high and low 16 bits of each value in two
+    bf16-typed planes: put together, every fp32 value comes back bit for bit (signed zeros,
+    subnormals, infinities, NaN payloads, values that are not bf16)."""
+    rng = np.random.default_rng(5)
+    special = np.array([0.0, -0.0, 1e-45, -1e-40, np.inf, -np.inf, 3.4e38, 1 + 2 ** -23],
+                       np.float32)
+    bits = np.concatenate([special.view(np.uint32), rng.integers(0, 2 ** 32, 1000 - 8,
+                                                                   dtype=np.uint32),
+                           np.array([0x7FC01234], np.uint32)])    # a NaN with a payload
+    planes = np.stack([(bits >> 16).astype(np.uint16), (bits & 0xFFFF).astype(np.uint16)])
+    y = jax.lax.bitcast_convert_type(jnp.asarray(planes.reshape(1, 2, 7, 143)), jnp.bfloat16)
+    got = np.asarray(mg._from_bit_planes(y)).view(np.uint32).ravel()
+    np.testing.assert_array_equal(got, bits)
+
+
 def test_stack_read_in_place():
     """Experts handed on as a whole stack of layers with the layer's index (``"at"``): the
     kernel and the XLA path read that layer's experts."""
