@@ -14,7 +14,8 @@ if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
 stamp=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.dsv41-installed 2>/dev/null)" != "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+  # PYTHONWARNINGS: quiets setuptools' generic note on editable installs (a build-time warning)
+  PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
   echo "$stamp" > .venv/.dsv41-installed
 fi
 # the reference fixtures the tests read: verified and extracted once into .fixtures-cache/

@@ -388,6 +388,9 @@ def _refused(argv, capsys) -> str:
     (["--top-k", "-1"], "argument --top-k: must be >= 0, got -1"),
     (["--top-p", "0"], r"argument --top-p: must be a number in (0, 1] (1: off), got 0"),
     (["--top-p", "1.5"], r"argument --top-p: must be a number in (0, 1]"),
+    (["--top-k", "40"], "argument --top-k: only with --temperature > 0 (temperature 0 is "
+                        "greedy"),
+    (["--top-p", "0.9", "--temperature", "0"], "argument --top-p: only with --temperature > 0"),
     (["--thinking"], "argument --thinking: only with --chat"),
     (["--system", "x"], "argument --system: only with --chat"),
     (["--stop", ""], "argument --stop: the stop string is empty"),
@@ -474,11 +477,18 @@ def test_refuses_a_config_with_a_misspelt_key(tmp_path, capsys):
 
 def test_config_and_checkpoint_must_agree(tmp_path, capsys):
     """--config beside --checkpoint: refused when it differs from the checkpoint's config.json
-    (naming the differing keys); a checkpoint without config.json needs --config."""
+    (naming the differing keys); a checkpoint without config.json needs --config (a folder
+    holding checkpoints: the message names those inside)."""
     ck = tmp_path / "ckpt"
     ck.mkdir()
     line = _refused(["--checkpoint", str(ck)], capsys)
-    assert "has no config.json (pass --config)" in line
+    assert "has no config.json (a checkpoint without its own config.json: pass --config)" in line
+    # a folder of checkpoints: the ones inside are named
+    (ck / "demo").mkdir()
+    (ck / "demo" / "config.json").write_text(open(SMALL).read())
+    line = _refused(["--checkpoint", str(ck)], capsys)
+    assert f"has no config.json; these folders in it have one: {ck / 'demo'}" in line
+    (ck / "demo" / "config.json").unlink()
     d = json.loads(open(SMALL).read())
     (ck / "config.json").write_text(json.dumps(dict(d, window_size=64)))
     line = _refused(["--checkpoint", str(ck), "--config", SMALL], capsys)

@@ -295,6 +295,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
         ap.error("argument --thinking: only with --chat")
     if args.system is not None and not args.chat:
         ap.error("argument --system: only with --chat")
+    for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0)):
+        if given and args.temperature == 0:
+            ap.error(f"argument {flag}: only with --temperature > 0 (temperature 0 is greedy: "
+                     "the most likely token, whatever the filter)")
     if args.engram != "replicated" and args.mesh is None:
         ap.error("argument --engram: only with --mesh")
     if args.chat:
@@ -337,8 +341,13 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ModelConfig]:
             elif args.config is not None:
                 cfg = ModelConfig.from_json(args.config)
             else:
-                ap.error(f"argument --checkpoint: {args.checkpoint} has no config.json "
-                         "(pass --config)")
+                inner = sorted(os.path.join(args.checkpoint, d)
+                               for d in os.listdir(args.checkpoint)
+                               if os.path.isfile(os.path.join(args.checkpoint, d, "config.json")))
+                ap.error(f"argument --checkpoint: {args.checkpoint} has no config.json"
+                         + (f"; these folders in it have one: {', '.join(inner[:4])}" if inner
+                            else "") + " (a checkpoint without its own config.json: pass "
+                         "--config)")
         else:
             if args.config is None:
                 if not os.path.isfile(DEFAULT_CONFIG):
