@@ -5,6 +5,7 @@ in the same run, and what the best tuning would save per decode step.
     python -m benchmarks.gemv --config mid --out docs/results/h200_gemv_sweep.json
     python -m benchmarks.gemv --config mid --shapes 0,2 --block-k 256,512 --num-warps 4,8
     python -m benchmarks.gemv --tiny          # CPU smoke test (interpret mode, tiny shapes)
+    python -m benchmarks.gemv --config mid --batch 64 --kernel mosaic   # the Mosaic GPU kernel
 
 The shapes and their calls per step come from tracing one ``decode_step`` of the config at
 batch ``--batch`` (every :func:`pallas_kernels.gemv.fp8_gemv` call is recorded: ``x [M, G,
@@ -16,6 +17,11 @@ partial-sum reduction included) and is checked against the kernel's default tuni
 to the fp32 summation order of the K splits). Per shape the row keeps the default's time,
 the best tuning and its time, both as weight TB/s and as a fraction of the copy roofline,
 and ``step_saving_us``: (default - best) x calls per step.
+
+``--kernel mosaic`` times the Mosaic GPU kernel (:mod:`pallas_kernels.gemv.mosaic_gpu`, for
+tens of rows) instead of the Triton one: its one tuning, ``k_splits`` (``--k-splits``), its
+input's launch (:func:`pallas_kernels.gemv.triton.input_rows`) included in the time; a shape
+it does not take is a row with an error.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from benchmarks.timing import roofline, trace_profile, write_json
 from dsv41_jax import model, state as st
 from dsv41_jax.random_weights import random_params_device
 from pallas_kernels import gemv
+from pallas_kernels.gemv import mosaic_gpu as gemv_mosaic
 from pallas_kernels.gemv import triton as gemv_triton
 
 
@@ -104,6 +111,12 @@ def decode_calls(cfg, params, batch: int, gpu: bool) -> list[dict]:
 def _tunings(N: int, K: int, args, G: int = 1) -> list[dict]:
     """The swept tunings that the kernel accepts for ``[N, K]`` in ``G`` groups (the default
     first)."""
+    if args.kernel == "mosaic":
+        steps = K // gemv_mosaic.BLOCK_K
+        out = [{"k_splits": gemv_mosaic.pick_k_splits(N // gemv_mosaic.BLOCK_N, K)}]
+        out += [{"k_splits": ks} for ks in args.k_splits
+                if steps % ks == 0 and steps // ks >= 2 and {"k_splits": ks} not in out]
+        return out
     block_n = gemv_triton.default_block_n(N, N // G)
     default = dict(zip(("block_k", "k_splits"), gemv_triton.config(N, K, block_n=block_n)))
     out = [{**default, "block_n": block_n, "num_warps": 4, "num_stages": 3}]
@@ -125,6 +138,10 @@ def bench_shape(entry: dict, args, impl: str, rng) -> dict:
     """Every tuning of one shape: device us per GEMV, TB/s of weight bytes, the error against
     the default tuning."""
     (M, G, K), (L, N, _) = entry["x"], entry["w"]
+    if args.kernel == "mosaic" and not gemv_mosaic.fits(M, G, (N,), K):
+        return {"x": entry["x"], "w": entry["w"], "pair": entry.get("pair"),
+                "act_quant": entry["act_quant"], "calls_per_step": entry["calls"],
+                "error": "the Mosaic GPU kernel does not take these shapes", "tunings": []}
     L = min(L, args.calls)
     w = jnp.asarray(rng.normal(0, 1, (L, N, K)), jnp.float8_e4m3fn)
     s = jnp.asarray(rng.integers(120, 130, (L, N // 32, K // 32)), jnp.uint8)
@@ -134,7 +151,7 @@ def bench_shape(entry: dict, args, impl: str, rng) -> dict:
     for t in _tunings(N, K, args, G)[:args.max_tunings]:
         f = jax.jit(lambda x, w, s, t=tuple(t.items()): [
             gemv.fp8_gemv(x, w, s, jnp.int32(i), act_quant=entry["act_quant"], impl=impl,
-                          **dict(t)) for i in range(L)])
+                          kernel=args.kernel, **dict(t)) for i in range(L)])
         try:
             t0 = time.perf_counter()
             got = np.asarray(f(x, w, s)[0])
@@ -163,7 +180,7 @@ def summarise(row: dict, copy_GBps: float) -> dict:
     roof = copy_GBps / 2 / 1e3        # a copy reads and writes: read TB/s = half its GB/s
     row.update(default_us=default["us"], best_us=best["us"],
                best={k: best[k] for k in ("block_k", "k_splits", "block_n", "num_warps",
-                                          "num_stages")},
+                                          "num_stages") if k in best},
                default_TBps=default["TBps"], best_TBps=best["TBps"],
                default_of_roof=default["TBps"] / roof, best_of_roof=best["TBps"] / roof,
                step_saving_us=(default["us"] - best["us"]) * row["calls_per_step"])
@@ -180,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke test: tiny config, interpret mode, two tunings per shape")
     ap.add_argument("--batch", type=int, default=1, help="decode batch (default 1)")
+    ap.add_argument("--kernel", choices=("triton", "mosaic"), default="triton",
+                    help="the GPU kernel timed (default triton; mosaic: tens of rows on wgmma)")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated indices into the step's shapes (default all)")
     ap.add_argument("--block-k", type=_ints, default=[256, 512],
@@ -217,7 +236,7 @@ def main(argv=None) -> int:
         entries = [entries[i] for i in _ints(args.shapes)]
     roof = roofline(3) if gpu else roofline(1, copy_bytes=1 << 22, matmul_n=256)
     res = {"device": str(jax.devices()[0].device_kind), "config": args.config,
-           "batch": args.batch, "roofline": roof, "rows": []}
+           "batch": args.batch, "kernel": args.kernel, "roofline": roof, "rows": []}
     rng = np.random.default_rng(0)
     for e in entries:
         row = summarise(bench_shape(e, args, impl, rng), roof["copy_GBps"])

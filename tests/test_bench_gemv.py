@@ -48,6 +48,21 @@ def test_tiny_sweep_writes_rows(tmp_path):
             row["weight_bytes"] / row["default_us"] / 1e6)
 
 
+def test_mosaic_sweep_writes_rows(tmp_path):
+    """``--kernel mosaic``: its ``k_splits`` timed (interpret mode) on the shapes it takes, a
+    row with an error on those it does not (the tiny config's grouped ``wo_a``: 64 rows a
+    group)."""
+    out = tmp_path / "gemv.json"
+    assert bench.main(["--tiny", "--kernel", "mosaic", "--shapes", "0,2", "--out",
+                       str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["kernel"] == "mosaic"
+    took, refused = res["rows"]
+    assert [set(t) >= {"k_splits", "us"} for t in took["tunings"]] == [True]
+    assert took["tunings"][0]["max_rel_err"] == 0 and took["best"] == {"k_splits": 1}
+    assert "does not take" in refused["error"] and refused["tunings"] == []
+
+
 def test_tunings_skip_what_the_kernel_refuses():
     args = bench.build_parser().parse_args(["--block-k", "32,64,512", "--k-splits", "1,3"])
     tunings = bench._tunings(64, 128, args)

@@ -132,7 +132,7 @@ def test_bit_planes_carry_every_fp32_value():
                            np.array([0x7FC01234], np.uint32)])    # a NaN with a payload
     planes = np.stack([(bits >> 16).astype(np.uint16), (bits & 0xFFFF).astype(np.uint16)])
     y = jax.lax.bitcast_convert_type(jnp.asarray(planes.reshape(1, 2, 7, 143)), jnp.bfloat16)
-    got = np.asarray(mg._from_bit_planes(y)).view(np.uint32).ravel()
+    got = np.asarray(mg.from_bit_planes(y)).view(np.uint32).ravel()
     np.testing.assert_array_equal(got, bits)
 
 

@@ -93,6 +93,10 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     # tensor-core instruction's first operand, scaled in registers, instead of per 32-row
     # block with the input scaled (the default)
     "gemv_swapped": {("pallas_kernels.gemv.triton", "SWAP_MIN_ROWS"): 17},
+    # the GEMV's inputs of 17-64 rows (or of 2-64) through the Mosaic GPU kernel (wgmma, the
+    # weight converted and scaled in registers, the act-quant in XLA) instead of the Triton one
+    "gemv_mosaic": {("pallas_kernels.gemv", "MOSAIC_MIN_ROWS"): 17},
+    "gemv_mosaic_all": {("pallas_kernels.gemv", "MOSAIC_MIN_ROWS"): 2},
     # the grouped MoE path's (token, expert) pairs sorted by expert before the kernel's padded
     # layout is made (argsort, bincount, the permutation's scatter) instead of laid out where
     # they are (the default; the same layout)

@@ -12,10 +12,11 @@ stack before a GEMM reads it; a decode step (a few rows) reads every weight once
 doubles or triples its traffic. The kernel reads the stack where it lies.
 
 Implementations (``impl``, :mod:`pallas_kernels.impls`): ``"xla"`` (:mod:`.reference`),
-``"gpu"`` (:mod:`.triton`), ``"gpu_interpret"``, ``"auto"`` (``"gpu"`` on an NVIDIA GPU where
-the shapes fit: at most :data:`AUTO_MAX_ROWS` rows (the kernel takes up to 64), ``N`` a
-multiple of 32 and of ``32 * G``, ``K`` of 64
-(:data:`.triton.MIN_BLOCK_K`), the stack under 2**31 bytes; ``"xla"`` otherwise).
+``"gpu"`` (:mod:`.triton`; or, for tens of rows, :mod:`.mosaic_gpu`, ``kernel=``),
+``"gpu_interpret"``, ``"auto"`` (``"gpu"`` on an NVIDIA GPU where the shapes fit: at most
+:data:`AUTO_MAX_ROWS` rows (the kernel takes up to 64), ``N`` a multiple of 32 and of ``32 *
+G``, ``K`` of 64 (:data:`.triton.MIN_BLOCK_K`), the stack under 2**31 bytes; ``"xla"``
+otherwise).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels import impls
-from pallas_kernels.gemv import reference, triton
+from pallas_kernels.gemv import mosaic_gpu, reference, triton
 
 __all__ = ["fp8_gemv", "fp8_gemv_pair", "fp8_gemv_swiglu", "kernel_fits", "pair_fits",
            "auto_fits", "MAX_ROWS", "AUTO_MAX_ROWS"]
@@ -38,6 +39,12 @@ MAX_ROWS = triton.MAX_TILE_ROWS
 #: queued against 21.8 ms with XLA's dequantise-and-GEMM above 16 rows (docs/benchmarks.md,
 #: "End-to-end").
 AUTO_MAX_ROWS = triton.MAX_TILE_ROWS
+#: Inputs of at least this many rows (a decode step of a larger batch) run the Mosaic GPU
+#: kernel (:mod:`.mosaic_gpu`: the weight as wgmma's first operand, converted and scaled in
+#: registers; the input's FP8 act-quant in XLA before it, fused into the input's producer)
+#: instead of the Triton one, where it takes the shapes and no RoPE is asked of the kernel;
+#: the same exact products, summed in another order. 65 (the default): never.
+MOSAIC_MIN_ROWS = 65
 
 
 def auto_fits(x_shape: tuple, w_shape: tuple) -> bool:
@@ -61,6 +68,42 @@ def pair_fits(x_shape: tuple, w0_shape: tuple, w1_shape: tuple) -> bool:
     return (x_shape[1] == 1 and w0_shape[0] == w1_shape[0] and kernel_fits(x_shape, w0_shape)
             and kernel_fits(x_shape, w1_shape)
             and w0_shape[0] * (w0_shape[1] + w1_shape[1]) * w0_shape[2] < 2 ** 31)
+
+
+KERNELS = ("auto", "triton", "mosaic")
+#: The Mosaic GPU kernel's tuning keywords (:func:`mosaic_gpu.fp8_gemm_rows`).
+MOSAIC_TUNING = ("k_splits", "max_concurrent_steps")
+
+
+def _mosaic(x, ws: tuple, scales: tuple, layer, act_quant: bool, out_dtype, interpret: bool,
+            kernel: str, rope, tuning: dict):
+    """The GPU path's ``kernel`` resolved: :func:`mosaic_gpu.fp8_gemm_rows`'s output (its
+    input made by :func:`triton.input_rows` in one launch, none for a bf16 input already in
+    its layout) for ``"mosaic"``, and for ``"auto"`` where :data:`MOSAIC_MIN_ROWS` sends these
+    rows to it, it takes the shapes, no RoPE is asked and no Triton tuning is given; else None
+    (the Triton kernel). Raises ``ValueError`` for an unknown ``kernel``, and for
+    ``"mosaic"`` with shapes it does not take, a RoPE or tuning keywords not its own."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    M, G, K = x.shape
+    fits = mosaic_gpu.fits(M, G, tuple(int(w.shape[1]) for w in ws), K)
+    if kernel == "triton" or (kernel == "auto" and (tuning or M < MOSAIC_MIN_ROWS or not fits
+                                                    or rope is not None)):
+        return None
+    if kernel == "mosaic" and (not fits or rope is not None
+                               or set(tuning) - set(MOSAIC_TUNING)):
+        raise ValueError(
+            f"kernel='mosaic' takes no RoPE, tuning keywords {MOSAIC_TUNING} only and at most "
+            f"{mosaic_gpu.MAX_ROWS} rows, K a multiple of {mosaic_gpu.BLOCK_K}, rows a multiple "
+            f"of {mosaic_gpu.BLOCK_N} per weight and group: got x {tuple(x.shape)}, weights "
+            f"{[tuple(w.shape) for w in ws]}, tuning {sorted(tuning)}")
+    tile = mosaic_gpu.pick_block_m(M)
+    if act_quant or G > 1 or M < tile:
+        xp = triton.input_rows(x, tile, act_quant=act_quant, interpret=interpret)
+    else:
+        xp = x.reshape(M, K)
+    return mosaic_gpu.fp8_gemm_rows(xp, M, ws, scales, layer, groups=G, out_dtype=out_dtype,
+                                    interpret=interpret, **tuning)
 
 
 def _check_out_dtype(out_dtype):
@@ -87,13 +130,17 @@ def _check_rope(rope, name: str, M: int, channels: int):
 
 def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go Gi"],
              layer: Int[Array, ""], *, act_quant: bool = False, out_dtype=jnp.float32,
-             impl: str = "auto", rope_in=None, rope_out=None, **tuning) -> Float[Array, "M N"]:
+             impl: str = "auto", rope_in=None, rope_out=None, kernel: str = "auto",
+             **tuning) -> Float[Array, "M N"]:
     """See the module docstring. ``act_quant``: FP8 QDQ of ``x`` per 32 inputs first (a
     quantised linear's activation quantisation; the kernel applies it to its tiles, so no
     separate kernels compute it). ``out_dtype``: the result's dtype, the fp32 sums rounded
     to it once (float32 or bfloat16; the GPU kernel stores it directly where K is not
     split, so no conversion kernel follows it). ``tuning``: ``block_k``, ``k_splits``, ``block_n``,
-    ``num_warps``, ``num_stages`` of the GPU kernel.
+    ``num_warps``, ``num_stages`` of the Triton kernel, or :data:`MOSAIC_TUNING` of the
+    Mosaic GPU one. ``kernel`` (on the GPU): ``"triton"``, ``"mosaic"`` (:mod:`.mosaic_gpu`:
+    tens of rows on wgmma; no RoPE), or ``"auto"`` (the Mosaic GPU kernel from
+    :data:`MOSAIC_MIN_ROWS` rows where it applies and no tuning is given).
 
     ``rope_in`` / ``rope_out``: ``(positions int32 [M], freqs fp32 [R/2], head, inverse)``, the
     rotary embedding (:func:`pallas_kernels.rope.apply_rope`, ``inverse`` its conjugate) of
@@ -124,6 +171,10 @@ def fp8_gemv(x: Float[Array, "M G K"], w: jax.Array, scale: UInt8[Array, "L Go G
     if not kernel_fits(x.shape, w.shape):
         raise ValueError(f"fp8_gemv: the GPU kernel does not take x {x.shape} with w {w.shape}")
     rope = rope_in or rope_out
+    y = _mosaic(x, (w,), (scale,), layer, act_quant, out_dtype, impls.interpret(impl), kernel,
+                rope, tuning)
+    if y is not None:
+        return y
     return triton.fp8_gemv(
         x, w, scale, layer, *(rope[:2] if rope else ()), act_quant=act_quant,
         out_dtype=jnp.dtype(out_dtype).name, interpret=impls.interpret(impl),
@@ -165,7 +216,7 @@ def fp8_gemv_swiglu(parts: Float[Array, "S P C"], w: jax.Array, scale: UInt8[Arr
 def fp8_gemv_pair(x: Float[Array, "M 1 K"], w0: jax.Array, scale0: UInt8[Array, "L Go0 Gi"],
                   w1: jax.Array, scale1: UInt8[Array, "L Go1 Gi"], layer: Int[Array, ""], *,
                   act_quant: bool = False, out_dtype=jnp.float32, impl: str = "auto",
-                  partials: bool = False, **tuning):
+                  partials: bool = False, kernel: str = "auto", **tuning):
     """:func:`fp8_gemv` of two weight stacks that read the same input (a layer's ``wq_a`` and
     ``wkv``, a shared expert's ``w1`` and ``w3``): ``(x @ W0[layer].T, x @ W1[layer].T)``. The
     GPU kernel runs both in one launch (its programs' row blocks span the two weights), so a
@@ -189,6 +240,11 @@ def fp8_gemv_pair(x: Float[Array, "M 1 K"], w0: jax.Array, scale0: UInt8[Array, 
     if not pair_fits(x.shape, w0.shape, w1.shape):
         raise ValueError(f"fp8_gemv_pair: the GPU kernel does not take x {x.shape} with w "
                          f"{w0.shape} and {w1.shape}")
+    y = _mosaic(x, (w0, w1), (scale0, scale1), layer, act_quant, out_dtype,
+                impls.interpret(impl), kernel, None, tuning)
+    if y is not None:
+        y0, y1 = y[:, :w0.shape[1]], y[:, w0.shape[1]:]
+        return (y0, y1, y[None]) if partials else (y0, y1)
     return tuple(triton.fp8_gemv_pair(x, w0, scale0, w1, scale1, layer, act_quant=act_quant,
                                       out_dtype=jnp.dtype(out_dtype).name,
                                       interpret=impls.interpret(impl), partials=partials,

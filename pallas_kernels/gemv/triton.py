@@ -565,3 +565,34 @@ def _call(x, weights, layer, *, act_quant, block_k, k_splits, block_n, num_warps
     ys = [y] if len(weights) == 1 else [y[:, a:a + n]
                                         for a, n in zip(np.cumsum([0] + sizes[:-1]), sizes)]
     return ys + [part] if partials else ys
+
+
+def _rows_kernel(x_ref, o_ref, *, rows, tile, block_k, act_quant, interpret):
+    g, kb = pl.program_id(0), pl.program_id(1)
+    k0 = kb * block_k
+    x = _load_input(x_ref, k0, g=g, block_k=block_k, rows=rows, tile=tile, prologue=None)
+    o_ref[...] = (_act_qdq(x, interpret) if act_quant else x).astype(BF16)
+
+
+def input_rows(x: jax.Array, tile: int, *, act_quant: bool, interpret: bool = False
+               ) -> jax.Array:
+    """The input of the Mosaic GPU kernel (:mod:`pallas_kernels.gemv.mosaic_gpu`) in one
+    launch: ``x [M, G, K]`` -> bf16 ``[G * tile, K]``, group by group, each group's ``M`` rows
+    padded with zeros to ``tile`` (16, 32 or 64, at least ``M``) and, with ``act_quant``,
+    FP8-QDQ'd per 32 inputs (bit for bit :func:`pallas_kernels.fp4.reference.act_quant_qdq`;
+    the padding stays zero). ``K``: a multiple of 64."""
+    M, G, K = x.shape
+    if tile not in (16, 32, 64) or M > tile or K % MIN_BLOCK_K:
+        raise ValueError(f"input_rows: {M} rows in a tile of {tile} (16, 32 or 64) and K={K} "
+                         f"(a multiple of {MIN_BLOCK_K}) expected")
+    block_k = next(b for b in (256, 128, 64) if K % b == 0)
+    kernel = functools.partial(_rows_kernel, rows=M, tile=tile, block_k=block_k,
+                               act_quant=act_quant, interpret=interpret)
+    return pl.pallas_call(
+        kernel, grid=(G, K // block_k),
+        in_specs=[pl.BlockSpec((tile, G, K), lambda g, kb: (0, 0, 0))],
+        out_specs=pl.BlockSpec((tile, block_k), lambda g, kb: (g, kb)),
+        out_shape=jax.ShapeDtypeStruct((G * tile, K), BF16),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="fp8_gemm_input_rows",
+    )(x)

@@ -146,8 +146,7 @@ def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block
     ks = lax.axis_index("k")
     e = tile_expert_gmem[t]
     steps = K // BLOCK_K // k_splits
-    planes = rows_out and k_splits > 1
-    out_dtype = BF16 if k_splits == 1 or planes else F32
+    out_dtype = BF16 if k_splits == 1 or rows_out else F32
 
     @pl.when(e >= 0)
     def _():
@@ -161,12 +160,8 @@ def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block
                 w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(BF16)
                 s0 = lax.broadcast_in_dim(plgpu.load(s_smem.at[0], layout=row), w.shape, [0])
                 s1 = lax.broadcast_in_dim(plgpu.load(s_smem.at[1], layout=row), w.shape, [0])
-                w = e2m1_from_i4(w) * jnp.where(low_half, s0, s1)
-                if a_smem is not None:      # interpret mode: wgmma's A from shared memory
-                    a_smem[...] = w
-                    w = a_smem
-                plgpu.wgmma(acc_ref, w, x_smem.T)
-                plgpu.wgmma_wait(0)
+                weight_times_rows(acc_ref, e2m1_from_i4(w) * jnp.where(low_half, s0, s1),
+                                  x_smem, a_smem)
 
             k0 = ks * steps
             plgpu.emit_pipeline(
@@ -183,30 +178,51 @@ def _kernel(tile_expert_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *scratch, K, block
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_N, block_m), F32))
 
-        tile = (block_m, BLOCK_N) if rows_out else (BLOCK_N, block_m)
-        rows = pl.ds(t * block_m, block_m)
-        cols = pl.ds(n * BLOCK_N, BLOCK_N)
+        store_tile(acc, o_gmem, ks, pl.ds(t * block_m, block_m), pl.ds(n * BLOCK_N, BLOCK_N),
+                   k_splits=k_splits, rows_out=rows_out, out_dtype=out_dtype)
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(((2,) if planes else ()) + tile,
-                                                            out_dtype))
-        def _store(o_smem):
-            if planes:              # fp32 partial sums as rows: see _from_bit_planes
-                bits = lax.bitcast_convert_type(acc, jnp.uint32)
-                copies = []
-                for i, plane in enumerate((bits >> 16, bits & 0xFFFF)):
-                    o_smem.at[i].T[...] = lax.bitcast_convert_type(plane.astype(jnp.uint16),
-                                                                   BF16)
-                    copies.append((o_smem.at[i], o_gmem.at[ks, i, rows, cols]))
-            elif rows_out:          # the tile transposed on its way into shared memory
-                o_smem.T[...] = acc.astype(out_dtype)
-                copies = [(o_smem, o_gmem.at[ks, rows, cols])]
-            else:
-                o_smem[...] = acc.astype(out_dtype)
-                copies = [(o_smem, o_gmem.at[ks, cols, rows])]
-            plgpu.commit_smem()
-            for src, dst in copies:
-                plgpu.copy_smem_to_gmem(src, dst)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+def weight_times_rows(acc_ref, w, x_smem, a_smem=None):
+    """``acc += w @ x^T``: the bf16 weight tile ``w`` (registers, WGMMA layout) as wgmma's A
+    operand, the rows' tile in shared memory as its B; waits for it. ``a_smem``: interpret
+    mode's staging buffer (its wgmma reads A from shared memory only)."""
+    if a_smem is not None:
+        a_smem[...] = w
+        w = a_smem
+    plgpu.wgmma(acc_ref, w, x_smem.T)
+    plgpu.wgmma_wait(0)
+
+
+def store_tile(acc, o_gmem, ks, rows: pl.Slice, cols: pl.Slice, *, k_splits: int,
+               rows_out: bool, out_dtype):
+    """A finished ``[cols, rows]`` accumulator tile (fp32, WGMMA layout) of K split ``ks`` out
+    through shared memory: as it is into ``o_gmem[ks, cols, rows]`` (``rows_out=False``), or
+    transposed on its way into shared memory into ``o_gmem[ks, rows, cols]`` (``rows_out``;
+    with ``k_splits > 1`` the fp32 values' high and low 16 bits into ``o_gmem[ks, 0 | 1,
+    rows, cols]``, bf16-typed: :func:`from_bit_planes`). ``out_dtype``: the stored dtype
+    (bf16 planes with split K's rows)."""
+    planes = rows_out and k_splits > 1
+    tile = (rows.size, cols.size) if rows_out else (cols.size, rows.size)
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(((2,) if planes else ()) + tile,
+                                                        out_dtype))
+    def _store(o_smem):
+        if planes:              # fp32 partial sums as rows: see from_bit_planes
+            bits = lax.bitcast_convert_type(acc, jnp.uint32)
+            copies = []
+            for i, plane in enumerate((bits >> 16, bits & 0xFFFF)):
+                o_smem.at[i].T[...] = lax.bitcast_convert_type(plane.astype(jnp.uint16), BF16)
+                copies.append((o_smem.at[i], o_gmem.at[ks, i, rows, cols]))
+        elif rows_out:          # the tile transposed on its way into shared memory
+            o_smem.T[...] = acc.astype(out_dtype)
+            copies = [(o_smem, o_gmem.at[ks, rows, cols])]
+        else:
+            o_smem[...] = acc.astype(out_dtype)
+            copies = [(o_smem, o_gmem.at[ks, cols, rows])]
+        plgpu.commit_smem()
+        for src, dst in copies:
+            plgpu.copy_smem_to_gmem(src, dst)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array, "T"], *,
@@ -238,10 +254,10 @@ def grouped_matmul_t(x: BFloat16[Array, "R K"], w: dict, tile_expert: Int[Array,
               interpret=interpret)
     if k_splits == 1:
         return y[0]
-    return _from_bit_planes(y) if rows_out else y
+    return from_bit_planes(y) if rows_out else y
 
 
-def _from_bit_planes(y: BFloat16[Array, "S 2 R N"]) -> Float32[Array, "S R N"]:
+def from_bit_planes(y: BFloat16[Array, "S 2 R N"]) -> Float32[Array, "S R N"]:
     """The fp32 values whose high and low 16 bits the kernel wrote as two bf16-typed planes
     (exact). Mosaic GPU stores a tile transposed into shared memory for 16-bit types only, so
     split K's fp32 partial sums leave the kernel as rows this way: the same bytes as fp32, and
@@ -263,7 +279,7 @@ def _kernel_call(tile_expert, x, i4, s, *, block_m, k_splits, max_concurrent_ste
     R = x.shape[0]
     kernel = functools.partial(_kernel, K=K, block_m=block_m, k_splits=k_splits,
                                max_concurrent_steps=max_concurrent_steps, rows_out=rows_out)
-    if rows_out and k_splits > 1:   # fp32 rows as two 16-bit planes (_from_bit_planes)
+    if rows_out and k_splits > 1:   # fp32 rows as two 16-bit planes (from_bit_planes)
         out = jax.ShapeDtypeStruct((k_splits, 2, R, N), BF16)
     else:
         out = jax.ShapeDtypeStruct((k_splits, R, N) if rows_out else (k_splits, N, R),
