@@ -132,6 +132,33 @@ def test_the_switch_sends_larger_inputs_to_it(monkeypatch):
         gemv.fp8_gemv(x, w0, s0, at, impl="gpu_interpret", kernel="cutlass")
 
 
+@pytest.mark.parametrize("M, splits", [(64, 1), (20, 2)])
+def test_act_quant_in_the_kernel(monkeypatch, M, splits):
+    """``gemv.MOSAIC_ACT_QUANT``: the kernel FP8-QDQs its input tiles itself (no input
+    launch; the rows padded to 64 below 64): the reference with its act-quant up to summation
+    order, for one weight and a pair; without the QDQ the result is another."""
+    monkeypatch.setattr(gemv, "MOSAIC_ACT_QUANT", True)
+    monkeypatch.setattr(gemv_triton, "input_rows", lambda *a, **k: pytest.fail("input launch"))
+    rng = np.random.default_rng(4)
+    w0, s0 = _stack(rng, 2, 128, 256)
+    w1, s1 = _stack(rng, 2, 256, 256)
+    x = np.asarray(rng.normal(0, 3, (M, 1, 256)) * np.exp(rng.normal(0, 2, (M, 1, 256))))
+    x = jnp.asarray(x, jnp.bfloat16)
+    at = jnp.int32(1)
+    got = np.asarray(gemv.fp8_gemv(x, w0, s0, at, act_quant=True, impl="gpu_interpret",
+                                   kernel="mosaic", k_splits=splits))
+    want = _reference(x, (w0,), (s0,), 1, act_quant=True)
+    _close(got, want)
+    assert np.abs(got - _reference(x, (w0,), (s0,), 1)).max() > 1e-3 * np.abs(want).max()
+    y0, y1 = gemv.fp8_gemv_pair(x, w0, s0, w1, s1, at, act_quant=True, impl="gpu_interpret",
+                                kernel="mosaic")
+    _close(np.concatenate([np.asarray(y0), np.asarray(y1)], -1),
+           _reference(x, (w0, w1), (s0, s1), 1, act_quant=True))
+    with pytest.raises(ValueError, match="act_quant: one group of 64 rows"):
+        mg.fp8_gemm_rows(jnp.zeros((32, 256), jnp.bfloat16), 20, (w0,), (s0,), at,
+                         act_quant=True, interpret=True)
+
+
 @pytest.mark.parametrize("M, G, tile, act_quant", [(5, 1, 16, True), (20, 3, 32, False),
                                                    (64, 2, 64, True)])
 def test_input_rows_is_the_qdq_padded(M, G, tile, act_quant):
@@ -200,3 +227,9 @@ def test_gpu_build_lowers(monkeypatch, M):
         # the input's launch: for a QDQ, groups or rows short of the tile (not at 64 rows of
         # a bf16 input of one group)
         assert ("fp8_gemm_input_rows" in text) == (aq or G > 1 or M < 64)
+        if aq and M == 64:      # the QDQ in the kernel: no input launch
+            monkeypatch.setattr(gemv, "MOSAIC_ACT_QUANT", True)
+            text = h200_export(lambda *a: f(*a),   # a new function: traced anew
+                               S((M, G, K), jnp.bfloat16), *args, at).mlir_module()
+            assert "fp8_stacked_gemm" in text and "fp8_gemm_input_rows" not in text
+            monkeypatch.setattr(gemv, "MOSAIC_ACT_QUANT", False)

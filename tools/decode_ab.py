@@ -97,6 +97,10 @@ VARIANTS: dict[str, dict[tuple[str, str], object]] = {
     # weight converted and scaled in registers, the act-quant in XLA) instead of the Triton one
     "gemv_mosaic": {("pallas_kernels.gemv", "MOSAIC_MIN_ROWS"): 17},
     "gemv_mosaic_all": {("pallas_kernels.gemv", "MOSAIC_MIN_ROWS"): 2},
+    # the same for 17-64 rows, the quantised linears' act-quant inside the kernel (no input
+    # launch for them)
+    "gemv_mosaic_aq": {("pallas_kernels.gemv", "MOSAIC_MIN_ROWS"): 17,
+                       ("pallas_kernels.gemv", "MOSAIC_ACT_QUANT"): True},
     # the grouped MoE path's (token, expert) pairs sorted by expert before the kernel's padded
     # layout is made (argsort, bincount, the permutation's scatter) instead of laid out where
     # they are (the default; the same layout)

@@ -73,6 +73,12 @@ def pair_fits(x_shape: tuple, w0_shape: tuple, w1_shape: tuple) -> bool:
             and w0_shape[0] * (w0_shape[1] + w1_shape[1]) * w0_shape[2] < 2 ** 31)
 
 
+#: Whether the Mosaic GPU kernel FP8-QDQs a quantised linear's input tiles itself (one group:
+#: the rows padded to 64 by XLA below 64, no launch at 64) instead of taking them from
+#: :func:`triton.input_rows` (one launch a call): a batch-64 step's ~160 input launches go.
+#: Bitwise the reference's QDQ in interpret mode and built for an H200; not yet run on a GPU.
+MOSAIC_ACT_QUANT = False
+
 KERNELS = ("auto", "triton", "mosaic")
 #: The Mosaic GPU kernel's tuning keywords (:func:`mosaic_gpu.fp8_gemm_rows`).
 MOSAIC_TUNING = ("k_splits", "max_concurrent_steps")
@@ -100,6 +106,12 @@ def _mosaic(x, ws: tuple, scales: tuple, layer, act_quant: bool, out_dtype, inte
             f"{mosaic_gpu.MAX_ROWS} rows, K a multiple of {mosaic_gpu.BLOCK_K}, rows a multiple "
             f"of {mosaic_gpu.BLOCK_N} per weight and group: got x {tuple(x.shape)}, weights "
             f"{[tuple(w.shape) for w in ws]}, tuning {sorted(tuning)}")
+    if act_quant and G == 1 and MOSAIC_ACT_QUANT:     # the kernel QDQs its own tiles
+        tile = mosaic_gpu.MAX_ROWS
+        xp = x.reshape(M, K).astype(jnp.bfloat16)
+        xp = xp if M == tile else jnp.pad(xp, ((0, tile - M), (0, 0)))
+        return mosaic_gpu.fp8_gemm_rows(xp, M, ws, scales, layer, out_dtype=out_dtype,
+                                        act_quant=True, interpret=interpret, **tuning)
     tile = mosaic_gpu.pick_block_m(M)
     if act_quant or G > 1 or M < tile:
         xp = triton.input_rows(x, tile, act_quant=act_quant, interpret=interpret)

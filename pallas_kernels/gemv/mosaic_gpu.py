@@ -20,8 +20,10 @@ The finished tile is stored transposed through shared memory, so the output leav
 ``Y [M, N]`` (with split K each split's fp32 partial sums, as the high and low 16 bits of
 each value: :func:`pallas_kernels.grouped_matmul.mosaic_gpu.store_tile`).
 
-The input is taken as it comes: a quantised linear's FP8 act-quant is the caller's (XLA fuses
-it into the input's producer), and the rows are padded to ``block_m`` by the caller. ``G >
+The input is taken as it comes, its rows padded to ``block_m`` by the caller: a quantised
+linear's FP8 act-quant is the caller's (:func:`pallas_kernels.gemv.triton.input_rows`), or,
+with ``act_quant`` (one group, 64-row tiles), the kernel's own: each step QDQs the input tile
+in shared memory before its wgmma (:func:`_act_quant_tile`). ``G >
 1`` (the grouped output projection, row ``n`` reading the input's group ``n // (N / G)``):
 the input comes as ``[G * M_pad, K]``, group by group. Several weights of one input (a
 layer's ``wq_a`` and ``wkv``) run in one launch: the CTAs of the output's 128-row blocks
@@ -34,11 +36,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, BFloat16, Int, UInt8
 
+from pallas_kernels.fp4.reference import FP8_MAX
 from pallas_kernels.grouped_matmul.mosaic_gpu import (from_bit_planes, store_tile,
                                                      weight_times_rows)
 
@@ -85,8 +89,35 @@ def _e8m0_to_f32(e):
     return jnp.where(e == 0, jnp.float32(2.0 ** -127), normal)
 
 
+def _act_quant_tile(x_smem, block_m):
+    """The input tile ``[block_m, 64]`` in shared memory FP8-QDQ'd in place per 32 inputs of a
+    row (bit for bit :func:`pallas_kernels.fp4.reference.act_quant_qdq`): loaded in the WGMMA
+    layout, each half's amax a masked row reduction, the E8M0 exponent from its bits, the
+    hardware's round-to-nearest satfinite e4m3 convert, stored back and fenced for wgmma."""
+    layout = plgpu.Layout.WGMMA
+    x = plgpu.load(x_smem, (), layout=layout).astype(F32)
+    low = plgpu.broadcasted_iota(jnp.int32, (block_m, BLOCK_K), 1, layout=layout) < 32
+    a = jnp.abs(x)
+    exps = []
+    for lo_half in (True, False):
+        amax = jnp.maximum(jnp.max(jnp.where(low == lo_half, a, 0.0), axis=1), 1e-4)
+        bits = lax.bitcast_convert_type(amax * np.float32(1.0 / FP8_MAX), jnp.int32)
+        exps.append(lax.broadcast_in_dim(
+            ((bits >> 23) & 0xFF) - 127 + jnp.where((bits & 0x7FFFFF) != 0, 1, 0),
+            (block_m, BLOCK_K), [0]))
+    e = jnp.where(low, exps[0], exps[1])
+    q = (x * _exp2(-e)).astype(jnp.float8_e4m3fn).astype(F32) * _exp2(e)
+    x_smem[...] = q.astype(BF16)
+    plgpu.commit_smem()
+
+
+def _exp2(e):
+    """``2.0 ** e`` (fp32) for int32 ``e`` in -126 .. 127, from its bits."""
+    return lax.bitcast_convert_type((e + 127) << 23, F32)
+
+
 def _kernel(layer_gmem, x_gmem, *refs, n_weights, K, block_m, groups, rows_per_group,
-            k_splits, max_concurrent_steps, out_dtype):
+            k_splits, max_concurrent_steps, out_dtype, act_quant=False):
     w_gmems, s_gmems = refs[:n_weights], refs[n_weights:2 * n_weights]
     o_gmem = refs[2 * n_weights]
     a_smem = refs[2 * n_weights + 1] if len(refs) > 2 * n_weights + 1 else None
@@ -106,6 +137,8 @@ def _kernel(layer_gmem, x_gmem, *refs, n_weights, K, block_m, groups, rows_per_g
     def weight_pipeline(w_gmem, s_gmem, n_local):
         def acc_scope(acc_ref):
             def step(idx, x_smem, w_smem):
+                if act_quant:
+                    _act_quant_tile(x_smem, block_m)
                 kb = 2 * (k0 + idx[0])             # the step's first 32-input scale block
                 halves = []
                 for h in range(2):
@@ -148,9 +181,9 @@ def _kernel(layer_gmem, x_gmem, *refs, n_weights, K, block_m, groups, rows_per_g
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "k_splits", "max_concurrent_steps",
-                                             "out_dtype", "interpret"))
+                                             "out_dtype", "interpret", "act_quant"))
 def _kernel_call(layer, x, ws, ss, *, groups, k_splits, max_concurrent_steps, out_dtype,
-                 interpret):
+                 interpret, act_quant=False):
     K = x.shape[-1]
     rows = x.shape[0] // groups
     block_m = rows
@@ -160,7 +193,7 @@ def _kernel_call(layer, x, ws, ss, *, groups, k_splits, max_concurrent_steps, ou
     kernel = functools.partial(
         _kernel, n_weights=len(ws), K=K, block_m=block_m, groups=groups,
         rows_per_group=N // groups, k_splits=k_splits,
-        max_concurrent_steps=max_concurrent_steps, out_dtype=out_dtype)
+        max_concurrent_steps=max_concurrent_steps, out_dtype=out_dtype, act_quant=act_quant)
     out = jax.ShapeDtypeStruct((k_splits, 2, block_m, N) if planes else (1, block_m, N),
                                out_dtype)
     call = plgpu.kernel(
@@ -201,21 +234,26 @@ def fp8_gemm(x: BFloat16[Array, "M G K"], ws: tuple, scales: tuple, layer: Int[A
 def fp8_gemm_rows(xp: BFloat16[Array, "R K"], rows: int, ws: tuple, scales: tuple,
                   layer: Int[Array, ""], *, groups: int = 1, out_dtype=F32,
                   k_splits: int | None = None, max_concurrent_steps: int = 4,
-                  interpret: bool = False) -> Array:
+                  act_quant: bool = False, interpret: bool = False) -> Array:
     """:func:`fp8_gemm` of an input already in the kernel's layout: ``xp`` ``[G * T, K]``, the
     ``groups`` groups one after the other, each its ``rows`` rows padded to the row tile ``T =
     pick_block_m(rows)`` (:func:`pallas_kernels.gemv.triton.input_rows` makes it in one
-    launch). Returns ``[rows, sum N_i]``; raises ``ValueError`` as :func:`fp8_gemm`."""
+    launch). ``act_quant``: the kernel FP8-QDQs each input tile itself, per 32 inputs
+    (:func:`_act_quant_tile`; one group, a row tile of :data:`MAX_ROWS`: ``xp`` ``[64, K]``).
+    Returns ``[rows, sum N_i]``; raises ``ValueError`` as :func:`fp8_gemm`, and for
+    ``act_quant`` with groups or another row tile."""
     K = xp.shape[-1]
     n_rows = tuple(int(w.shape[1]) for w in ws)
-    block_m = pick_block_m(rows) if 1 <= rows <= MAX_ROWS else 0
+    block_m = (MAX_ROWS if act_quant else pick_block_m(rows)) if 1 <= rows <= MAX_ROWS else 0
     if (not fits(rows, groups, n_rows, K) or xp.shape != (groups * block_m, K)
+            or (act_quant and groups > 1)
             or any(w.shape[2] != K or w.shape[0] != ws[0].shape[0] for w in ws)):
         raise ValueError(f"fp8_gemm: the Mosaic GPU kernel does not take {rows} rows of "
                          f"{groups} groups {tuple(xp.shape)} with weights "
                          f"{[tuple(w.shape) for w in ws]} (at most {MAX_ROWS} rows, K a "
                          f"multiple of {BLOCK_K}, rows of each weight and group a multiple "
-                         f"of {BLOCK_N}, one stack depth)")
+                         f"of {BLOCK_N}, one stack depth; act_quant: one group of "
+                         f"{MAX_ROWS} rows)")
     for w, s in zip(ws, scales):
         L, N, _ = w.shape
         if s.shape != (L, N // 32, K // 32):
@@ -227,7 +265,8 @@ def fp8_gemm_rows(xp: BFloat16[Array, "R K"], rows: int, ws: tuple, scales: tupl
                          f"k_splits={splits}")
     y = _kernel_call(layer, xp.astype(BF16), tuple(ws), tuple(scales), groups=groups,
                      k_splits=splits, max_concurrent_steps=max_concurrent_steps,
-                     out_dtype=jnp.dtype(out_dtype).name, interpret=interpret)
+                     out_dtype=jnp.dtype(out_dtype).name, interpret=interpret,
+                     act_quant=act_quant)
     if splits > 1:      # the K splits' fp32 partial sums added, rounded once
         return jnp.sum(from_bit_planes(y), axis=0)[:rows].astype(out_dtype)
     return y[0, :rows].astype(out_dtype)
